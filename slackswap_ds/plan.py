@@ -1,0 +1,338 @@
+"""Plans (what to do with each saved activation) and their lowering to per-stream Schedules.
+
+A `Plan` is a frozen, canonical-JSON, digest-checked record: one `Decision` per activation key,
+a prefetch trigger per swapped key, the budget, and the digests of the profile and hardware it was
+made for. `lower(profile, plan)` turns it into a `Schedule`: an ordered instruction list for each of
+three streams (compute, d2h, h2d). The simulator executes a Schedule in virtual time; the runtime
+executor executes the same Schedule for real.
+
+Schedule protocol (the simulator and the executor both follow it; comments elsewhere refer here):
+
+    compute: FWD(op) for every op in order. After FWD(op) the activations it saves are resident,
+             except RECOMPUTE ones (they are not saved at all).
+             Then, for ops in reverse: at the first backward op of a region that holds RECOMPUTE
+             activations, RECOMPUTE(op) re-runs each producer op of the region in forward order
+             (the recomputed tensors become resident when their last producer finishes);
+             BWD(op) waits for the copy-in of every swapped tensor it reads, and frees every
+             tensor whose last reader it is.
+    d2h:     COPY_OUT(act) for swapped tensors in the order they are saved; each waits for the FWD
+             that saved it, and the device copy is released only when the copy ends.
+    h2d:     COPY_IN(act) in the order backward needs them; each waits for its own COPY_OUT and for
+             its trigger (the BWD of the trigger op, or the end of forward when the trigger is "");
+             its device bytes count from the moment the copy starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from enum import Enum
+from functools import cached_property
+from pathlib import Path
+from typing import Mapping
+
+from .errors import InvalidFileError, PlanError
+from .profile import StepProfile
+
+PLAN_FORMAT = "slackswap.plan/1"
+END_OF_FORWARD = ""  # prefetch trigger meaning "as soon as backward starts"
+
+
+class Decision(str, Enum):
+    KEEP = "keep"
+    SWAP = "swap"
+    RECOMPUTE = "recompute"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Decision per activation key, prefetch trigger per swapped key, and what the plan was made for."""
+
+    decisions: tuple[tuple[str, Decision], ...]
+    prefetch: tuple[tuple[str, str], ...]
+    budget_bytes: int
+    profile_digest: str
+    hardware_digest: str
+    planner: str
+    planner_version: str = "1"
+    blocking: bool = False  # forward waits for each copy-out before its next op (torch save_on_cpu)
+
+    @classmethod
+    def build(
+        cls,
+        profile: StepProfile,
+        decisions: Mapping[str, Decision],
+        *,
+        budget_bytes: int,
+        hardware_digest: str,
+        planner: str,
+        planner_version: str = "1",
+        prefetch: Mapping[str, str] | None = None,
+        blocking: bool = False,
+    ) -> "Plan":
+        """A checked plan; swapped keys without an explicit trigger prefetch at the end of forward."""
+        prefetch = dict(prefetch or {})
+        for key, d in decisions.items():
+            if d is Decision.SWAP:
+                prefetch.setdefault(key, END_OF_FORWARD)
+        plan = cls(
+            decisions=tuple(sorted((k, Decision(v)) for k, v in decisions.items())),
+            prefetch=tuple(sorted(prefetch.items())),
+            budget_bytes=int(budget_bytes),
+            profile_digest=profile.digest,
+            hardware_digest=hardware_digest,
+            planner=planner,
+            planner_version=planner_version,
+            blocking=blocking,
+        )
+        plan.check(profile)
+        return plan
+
+    @cached_property
+    def decision(self) -> dict[str, Decision]:
+        return dict(self.decisions)
+
+    @cached_property
+    def trigger(self) -> dict[str, str]:
+        return dict(self.prefetch)
+
+    def keys(self, decision: Decision) -> list[str]:
+        return [k for k, d in self.decisions if d is decision]
+
+    def bytes_by_decision(self, profile: StepProfile) -> dict[Decision, int]:
+        out = {d: 0 for d in Decision}
+        for a in profile.activations:
+            out[self.decision[a.key]] += a.bytes
+        return out
+
+    def check(self, profile: StepProfile) -> None:
+        """Raise PlanError if this plan does not fit `profile` (all problems at once)."""
+        problems = []
+        keys = {a.key for a in profile.activations}
+        missing = sorted(keys - self.decision.keys())
+        unknown = sorted(self.decision.keys() - keys)
+        if missing:
+            problems.append(f"no decision for {len(missing)} activation(s), e.g. {missing[:3]}")
+        if unknown:
+            problems.append(f"decisions for {len(unknown)} unknown activation(s), e.g. {unknown[:3]}")
+        op_index = {o.key: i for i, o in enumerate(profile.ops)}
+        for a in profile.activations:
+            d = self.decision.get(a.key)
+            if d is Decision.RECOMPUTE and not a.recomputable:
+                problems.append(f"{a.key!r} cannot be recomputed inside its region (no producers); keep or swap it")
+            if d is Decision.SWAP:
+                trig = self.trigger.get(a.key)
+                if trig is None:
+                    problems.append(f"swapped {a.key!r} has no prefetch trigger")
+                elif trig != END_OF_FORWARD:
+                    if trig not in op_index:
+                        problems.append(f"prefetch trigger {trig!r} of {a.key!r} is not an op of the profile")
+                    elif op_index[trig] <= need_op(profile, self, a.key):
+                        problems.append(f"prefetch trigger {trig!r} of {a.key!r} comes after backward needs it")
+        for key in self.trigger:
+            if self.decision.get(key) is not Decision.SWAP:
+                problems.append(f"prefetch trigger given for {key!r}, which is not swapped")
+        if self.budget_bytes < 0:
+            problems.append("budget_bytes is negative")
+        if problems:
+            raise PlanError(f"plan from {self.planner!r} does not fit profile {profile.name!r}: " + "; ".join(problems))
+
+    # ---- JSON ----------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": PLAN_FORMAT,
+            "decisions": {k: d.value for k, d in self.decisions},
+            "prefetch": dict(self.prefetch),
+            "budget_bytes": self.budget_bytes,
+            "profile_digest": self.profile_digest,
+            "hardware_digest": self.hardware_digest,
+            "planner": self.planner,
+            "planner_version": self.planner_version,
+            "blocking": self.blocking,
+        }
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    @cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Plan":
+        if not isinstance(d, dict) or d.get("format") != PLAN_FORMAT:
+            raise InvalidFileError(f"not a slackswap plan: expected a JSON object with \"format\": \"{PLAN_FORMAT}\"")
+        try:
+            return cls(
+                decisions=tuple(sorted((str(k), Decision(v)) for k, v in d["decisions"].items())),
+                prefetch=tuple(sorted((str(k), str(v)) for k, v in d["prefetch"].items())),
+                budget_bytes=int(d["budget_bytes"]),
+                profile_digest=str(d["profile_digest"]),
+                hardware_digest=str(d["hardware_digest"]),
+                planner=str(d["planner"]),
+                planner_version=str(d["planner_version"]),
+                blocking=_strict_bool(d.get("blocking", False)),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidFileError(f"malformed slackswap plan: {e!r}") from e
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, profile: StepProfile | None = None) -> "Plan":
+        """Read a plan file; with `profile`, also refuse a plan made for another profile."""
+        try:
+            plan = cls.from_json(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise InvalidFileError(f"cannot read plan {str(path)!r}: {e}") from e
+        if profile is not None:
+            if plan.profile_digest != profile.digest:
+                raise PlanError(
+                    f"plan {str(path)!r} was made for profile {plan.profile_digest[:12]}, "
+                    f"not for this step's profile {profile.digest[:12]}; delete it to re-plan"
+                )
+            plan.check(profile)
+        return plan
+
+
+def _strict_bool(v: object) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"blocking must be true or false, got {v!r}")
+    return v
+
+
+def need_op(profile: StepProfile, plan: Plan, key: str) -> int:
+    """The op at whose backward a tensor is first needed: its first reader, or, when a RECOMPUTE
+    activation of its region depends on it, the region's first backward op (recompute runs there)."""
+    a = profile.by_key[key]
+    region = profile.region_of(a)
+    for other in profile.region_acts[region]:
+        if key in other.deps and plan.decision.get(other.key) is Decision.RECOMPUTE:
+            return profile.region_last_op[region]
+    return a.first_read
+
+
+# ---- Schedule ----------------------------------------------------------------------------------
+class Kind(str, Enum):
+    FWD = "fwd"
+    BWD = "bwd"
+    RECOMPUTE = "recompute"
+    COPY_OUT = "copy_out"
+    COPY_IN = "copy_in"
+
+
+STREAMS = ("compute", "d2h", "h2d")
+
+
+@dataclass(frozen=True)
+class Instr:
+    """One instruction of one stream. `waits` are indices into Schedule.instrs that must be done."""
+
+    stream: str
+    kind: Kind
+    name: str  # op key (FWD/BWD/RECOMPUTE) or activation key (copies)
+    seconds: float = 0.0  # compute time; copies take bytes / link rate
+    nbytes: int = 0  # bytes moved by a copy
+    waits: tuple[int, ...] = ()
+    alloc_start: tuple[str, ...] = ()  # activation keys resident from the instruction's start
+    alloc_end: tuple[str, ...] = ()  # ... from its end
+    free_end: tuple[str, ...] = ()  # released at its end
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-stream instruction lists; `instrs` holds all of them, each stream's in its own order."""
+
+    instrs: tuple[Instr, ...]
+    act_bytes: Mapping[str, int]
+    plan_digest: str
+
+    def stream(self, name: str) -> list[int]:
+        return [i for i, ins in enumerate(self.instrs) if ins.stream == name]
+
+
+def lower(profile: StepProfile, plan: Plan) -> Schedule:
+    """The Schedule that executes `plan` on `profile` (protocol in the module docstring)."""
+    dec = plan.decision
+    ops = profile.ops
+    acts = profile.activations
+    instrs: list[Instr] = []
+
+    def emit(ins: Instr) -> int:
+        instrs.append(ins)
+        return len(instrs) - 1
+
+    saved_at: dict[int, list[str]] = {}
+    freed_after: dict[int, list[str]] = {}
+    for a in acts:
+        if dec[a.key] is not Decision.RECOMPUTE:
+            saved_at.setdefault(a.saved_at, []).append(a.key)
+        freed_after.setdefault(a.freed_after, []).append(a.key)
+
+    swapped = [a for a in acts if dec[a.key] is Decision.SWAP]
+    out_order = sorted(swapped, key=lambda a: a.saved_at)
+    copy_out_id = {a.key: len(ops) + j for j, a in enumerate(out_order)}
+    # A blocking plan makes FWD(i) wait for the copy-outs of what op i-1 saved.
+    fwd_waits: dict[int, list[int]] = {}
+    if plan.blocking:
+        for a in out_order:
+            fwd_waits.setdefault(a.saved_at + 1, []).append(copy_out_id[a.key])
+    fwd_id = [
+        emit(Instr("compute", Kind.FWD, o.key, o.fwd_s, waits=tuple(fwd_waits.get(i, ())),
+                   alloc_end=tuple(saved_at.get(i, ()))))
+        for i, o in enumerate(ops)
+    ]
+    for a in out_order:
+        emit(
+            Instr("d2h", Kind.COPY_OUT, a.key, nbytes=a.bytes, waits=(fwd_id[a.saved_at],), free_end=(a.key,))
+        )
+
+    # Recompute work per region: the union of producers of its RECOMPUTE activations.
+    last_op = profile.region_last_op
+    rec_ops: dict[str, set[int]] = {}
+    completes_at: dict[int, list[str]] = {}
+    for a in acts:
+        if dec[a.key] is Decision.RECOMPUTE:
+            rec_ops.setdefault(profile.region_of(a), set()).update(a.producers)
+            completes_at.setdefault(max(a.producers), []).append(a.key)
+
+    # Copy-ins are placed after the compute instructions; their ids are known in advance.
+    need = {a.key: need_op(profile, plan, a.key) for a in swapped}
+    in_order = sorted(swapped, key=lambda a: (-need[a.key], a.saved_at, a.key))
+    n_backward = len(ops) + sum(len(s) for s in rec_ops.values())
+    first_in = len(instrs) + n_backward
+    copy_in_id = {a.key: first_in + j for j, a in enumerate(in_order)}
+
+    # Which copy-ins each recompute op / backward op must wait for.
+    rec_waits: dict[int, set[str]] = {}
+    for a in acts:
+        if dec[a.key] is Decision.RECOMPUTE:
+            for d in a.deps:
+                if dec[d] is Decision.SWAP:
+                    rec_waits.setdefault(min(a.producers), set()).add(d)
+    bwd_waits: dict[int, list[str]] = {}
+    for a in swapped:
+        bwd_waits.setdefault(a.first_read, []).append(a.key)
+
+    bwd_id: dict[int, int] = {}
+    for i in range(len(ops) - 1, -1, -1):
+        region = ops[i].region
+        if last_op[region] == i:
+            for j in sorted(rec_ops.get(region, ())):
+                waits = tuple(sorted(copy_in_id[k] for k in rec_waits.get(j, ())))
+                emit(Instr("compute", Kind.RECOMPUTE, ops[j].key, ops[j].fwd_s, waits=waits,
+                           alloc_end=tuple(completes_at.get(j, ()))))
+        waits = tuple(sorted(copy_in_id[k] for k in bwd_waits.get(i, ())))
+        bwd_id[i] = emit(Instr("compute", Kind.BWD, ops[i].key, ops[i].bwd_s, waits=waits,
+                               free_end=tuple(freed_after.get(i, ()))))
+    assert len(instrs) == first_in, "compute instruction count mismatch"
+
+    op_index = {o.key: i for i, o in enumerate(ops)}
+    for a in in_order:
+        trig = plan.trigger[a.key]
+        trig_id = fwd_id[-1] if trig == END_OF_FORWARD else bwd_id[op_index[trig]]
+        emit(Instr("h2d", Kind.COPY_IN, a.key, nbytes=a.bytes, waits=(copy_out_id[a.key], trig_id),
+                   alloc_start=(a.key,)))
+    return Schedule(tuple(instrs), {a.key: a.bytes for a in acts}, plan.digest)

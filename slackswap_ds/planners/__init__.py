@@ -1,0 +1,42 @@
+"""Planners. All share one signature: ``plan(profile, hardware, budget_bytes, share=PRIVATE) -> Plan``."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import UnknownNameError
+from ..hardware import Hardware
+from ..plan import Plan
+from ..profile import StepProfile
+from .baselines import (
+    plan_full_recompute,
+    plan_keep_all,
+    plan_megatron_selective,
+    plan_offload_all,
+    plan_recompute_knapsack,
+)
+from .common import PRIVATE, Share, keep_all_result, resolve_budget
+from .optimal import plan_optimal
+from .slackswap import plan_slackswap
+
+PlannerFn = Callable[..., Plan]
+
+PLANNERS: dict[str, PlannerFn] = {
+    "slackswap": plan_slackswap,
+    "optimal": plan_optimal,
+    "full-recompute": plan_full_recompute,
+    "megatron-selective": plan_megatron_selective,
+    "offload-all": plan_offload_all,
+    "recompute-knapsack": plan_recompute_knapsack,
+    "keep-all": plan_keep_all,
+}
+
+
+def get_planner(name: str) -> PlannerFn:
+    try:
+        return PLANNERS[name]
+    except KeyError:
+        raise UnknownNameError("planner", name, list(PLANNERS)) from None
+
+
+__all__ = ["PLANNERS", "PRIVATE", "Share", "get_planner", "keep_all_result", "resolve_budget"]

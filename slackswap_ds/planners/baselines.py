@@ -1,0 +1,69 @@
+"""The plans users would otherwise run, on the same signature as ours:
+``plan(profile, hardware, budget_bytes, share=PRIVATE) -> Plan``.
+
+Each refuses (BudgetInfeasibleError) rather than emit a plan the simulator finds over budget.
+"""
+
+from __future__ import annotations
+
+from ..errors import BudgetInfeasibleError
+from ..hardware import Hardware
+from ..plan import Decision, Plan, lower
+from ..profile import StepProfile
+from ..simulator import simulate
+from .common import PRIVATE, RegionModel, Share, alap_triggers, finalize, keep_all
+from .milp import solve_region_milp
+
+# Ops that make up the attention core (scores, softmax, attention dropout), by op-name suffix.
+ATTENTION_CORE_OPS = ("scores", "softmax", "attn_dropout")
+
+
+def _is_layer(region: str) -> bool:
+    return region.startswith("layers.")
+
+
+def plan_keep_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+    """Keep every activation (the ideal when memory is unlimited)."""
+    return finalize(profile, keep_all(profile), hw=hw, budget_bytes=budget_bytes, share=share, planner="keep-all")
+
+
+def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+    """DeepSpeed / torch per-layer checkpointing: keep each layer's input, recompute the rest of it."""
+    dec = keep_all(profile)
+    for a in profile.activations:
+        if a.recomputable and _is_layer(profile.region_of(a)):
+            dec[a.key] = Decision.RECOMPUTE
+    return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="full-recompute")
+
+
+def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+    """Megatron selective recompute (Korthikanti et al.): recompute only the attention core."""
+    dec = keep_all(profile)
+    for a in profile.activations:
+        if a.recomputable and all(profile.ops[p].key.rsplit(":", 1)[-1] in ATTENTION_CORE_OPS for p in a.producers):
+            dec[a.key] = Decision.RECOMPUTE
+    return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="megatron-selective")
+
+
+def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+    """Offload every saved tensor (torch save_on_cpu / torchtune OffloadActivations): forward waits
+    for each copy-out so device memory stays bounded; backward prefetches as late as possible."""
+    dec = {a.key: Decision.SWAP for a in profile.activations}
+    if share.host_pool_bytes is not None and profile.total_bytes > share.host_pool_bytes:
+        raise BudgetInfeasibleError(
+            f"offload-all: {profile.total_bytes:,} B of activations exceed the host pool of {share.host_pool_bytes:,} B"
+        )
+    triggers = alap_triggers(profile, dec, hw, share)
+    plan = Plan.build(profile, dec, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner="offload-all",
+                      prefetch=triggers, blocking=True)
+    res = simulate(lower(profile, plan), hw, budget_bytes=budget_bytes, record=False)
+    if not res.feasible:
+        raise BudgetInfeasibleError(f"offload-all peaks at {res.peak_bytes:,} B, over the budget of {budget_bytes:,} B")
+    return plan
+
+
+def plan_recompute_knapsack(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+    """torch.compile's activation memory budget: an exact knapsack over recomputation only (no
+    offload) minimising recompute time, solved as a MILP over the region memory model."""
+    model = RegionModel(profile, hw, share)
+    return solve_region_milp(model, budget_bytes, allow_swap=False, planner="recompute-knapsack")

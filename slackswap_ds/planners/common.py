@@ -1,0 +1,196 @@
+"""What every planner shares: the rank's link share, the region memory model, prefetch triggers,
+and the final check that a plan is feasible in the simulator.
+
+Region memory model (used by the planners to reason fast; the simulator has the last word).
+Backward visits regions in reverse. When region r's backward starts, every byte of r is resident
+(kept, swapped back in, or recomputed), plus the kept bytes of all earlier regions, plus what is
+being prefetched for the region before it:
+
+    M(r) = kept(<r) + bytes(r) + swapped(r-1)        peak ~= max_r M(r)
+
+Dropping (swapping or recomputing) an activation of region r' lowers M(r) for every r > r', and
+leaves M(r') unchanged; that is why dropping in the last region to run forward never helps.
+Swaps must also fit their copy windows: a region's D2H copies under that region's own forward,
+its H2D copies under the backward of the region after it (which runs just before it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+from ..errors import BudgetInfeasibleError
+from ..hardware import Hardware, Node
+from ..plan import END_OF_FORWARD, Decision, Plan, lower
+from ..profile import StepProfile
+from ..simulator import SimResult, simulate
+
+
+@dataclass(frozen=True)
+class Share:
+    """One rank's share of its node: copy rates it may plan with and host bytes it may pin.
+
+    `None` rates mean the GPU's own (a private link); `None` host bytes means unlimited."""
+
+    d2h_bps: float | None = None
+    h2d_bps: float | None = None
+    host_pool_bytes: int | None = None
+
+    @classmethod
+    def of_node(cls, node: Node, host_pool_bytes: int | None = None) -> "Share":
+        """An equal share of the switch uplink among its GPUs, capped by the GPU's own rates."""
+        link = node.switch_uplink_bps / node.gpus_per_switch
+        pool = host_pool_bytes if host_pool_bytes is not None else int(node.host_bytes // node.gpus)
+        return cls(min(node.gpu.d2h_bps, link), min(node.gpu.h2d_bps, link), pool)
+
+    def d2h(self, hw: Hardware) -> float:
+        return hw.d2h_bps if self.d2h_bps is None else min(hw.d2h_bps, self.d2h_bps)
+
+    def h2d(self, hw: Hardware) -> float:
+        return hw.h2d_bps if self.h2d_bps is None else min(hw.h2d_bps, self.h2d_bps)
+
+
+PRIVATE = Share()
+
+
+def keep_all(profile: StepProfile) -> dict[str, Decision]:
+    return {a.key: Decision.KEEP for a in profile.activations}
+
+
+def keep_all_result(profile: StepProfile, hw: Hardware) -> SimResult:
+    """The ideal step: everything kept, no memory limit."""
+    plan = Plan.build(profile, keep_all(profile), budget_bytes=0, hardware_digest=hw.digest, planner="keep-all")
+    res = simulate(lower(profile, plan), hw, record=False)
+    return SimResult(**{**res.__dict__, "ideal_s": res.step_s})
+
+
+def resolve_budget(budget: float | int, profile: StepProfile) -> int:
+    """A fraction in (0, 1] means that fraction of the keep-all peak; a larger number means bytes."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+        raise ValueError(f"budget must be a fraction in (0, 1] or a positive number of bytes, got {budget!r}")
+    return int(budget * profile.total_bytes) if budget <= 1 else int(budget)
+
+
+class RegionModel:
+    """Per-region bytes and times of a profile, for fast planning (see the module docstring)."""
+
+    def __init__(self, profile: StepProfile, hw: Hardware, share: Share = PRIVATE):
+        self.profile, self.hw, self.share = profile, hw, share
+        self.regions = list(profile.regions)
+        self.index = {r: i for i, r in enumerate(self.regions)}
+        n = len(self.regions)
+        self.fwd_s = [0.0] * n
+        self.bwd_s = [0.0] * n
+        for o in profile.ops:
+            self.fwd_s[self.index[o.region]] += o.fwd_s
+            self.bwd_s[self.index[o.region]] += o.bwd_s
+        self.bytes = [0] * n
+        self.region_of = {}
+        for a in profile.activations:
+            r = self.index[profile.region_of(a)]
+            self.region_of[a.key] = r
+            self.bytes[r] += a.bytes
+        self.d2h_bps, self.h2d_bps = share.d2h(hw), share.h2d(hw)
+
+    def copy_s(self, nbytes: int, bps: float) -> float:
+        return self.hw.copy_latency_s + nbytes / bps
+
+    def recompute_s(self, producers: set[int]) -> float:
+        return sum(self.profile.ops[p].fwd_s for p in producers)
+
+    def peak(self, decisions: dict[str, Decision]) -> tuple[int, int]:
+        """(estimated peak M, region where it occurs) for `decisions`."""
+        n = len(self.regions)
+        kept = [0] * n
+        swapped = [0] * n
+        for a in self.profile.activations:
+            d = decisions[a.key]
+            r = self.region_of[a.key]
+            if d is Decision.KEEP:
+                kept[r] += a.bytes
+            elif d is Decision.SWAP:
+                swapped[r] += a.bytes
+        best, where, below = -1, 0, 0
+        for r in range(n):
+            m = below + self.bytes[r] + (swapped[r - 1] if r else 0)
+            if m > best:
+                best, where = m, r
+            below += kept[r]
+        return best, where
+
+
+def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share,
+                  lead: int = 0) -> dict[str, str]:
+    """Prefetch triggers as late as possible: the H2D queue, run backwards from each swapped
+    tensor's need time on the stall-free compute timeline, gives each copy its latest start; the
+    trigger is the last backward op that ends by then. `lead` moves every trigger that many
+    backward ops earlier (a safety margin the repair loop can add)."""
+    swapped = [k for k, d in decisions.items() if d is Decision.SWAP]
+    if not swapped:
+        return {}
+    draft = Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft")
+    sch = lower(profile, draft)
+    # Stall-free compute timeline: start/end of each compute instruction.
+    t, start, bwd_end = 0.0, {}, []  # bwd_end: (end time, op index) in backward order
+    op_index = {o.key: i for i, o in enumerate(profile.ops)}
+    for i, ins in enumerate(sch.instrs):
+        if ins.stream != "compute":
+            continue
+        start[i] = t
+        t += ins.seconds
+        if ins.kind.value == "bwd":
+            bwd_end.append((t, op_index[ins.name]))
+    fwd_end = sum(o.fwd_s for o in profile.ops)
+    need_time = {}
+    for i, ins in enumerate(sch.instrs):
+        if ins.stream == "h2d":
+            need_time[ins.name] = math.inf
+    for i, ins in enumerate(sch.instrs):
+        if ins.stream == "compute":
+            for w in ins.waits:
+                k = sch.instrs[w].name
+                need_time[k] = min(need_time[k], start[i])
+    order = sorted(swapped, key=lambda k: -need_time[k])
+    rate = share.h2d(hw)
+    triggers, next_start = {}, math.inf
+    ends = [e for e, _ in bwd_end]
+    for k in order:
+        finish = min(need_time[k], next_start)
+        begin = finish - (hw.copy_latency_s + profile.by_key[k].bytes / rate)
+        next_start = begin
+        j = bisect.bisect_right(ends, begin + 1e-15) - 1 - lead  # last backward op ending by `begin`
+        need = need_time[k]
+        # the trigger must end strictly before the tensor's need
+        while j >= 0 and ends[j] > need:
+            j -= 1
+        triggers[k] = END_OF_FORWARD if j < 0 or begin <= fwd_end else profile.ops[bwd_end[j][1]].key
+    return triggers
+
+
+def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
+             share: Share, planner: str, version: str = "1", triggers: dict[str, str] | None = None,
+             check: bool = True) -> Plan:
+    """Build the Plan (ALAP prefetch unless triggers are given) and, with `check`, refuse to emit it
+    if the simulator finds it over budget."""
+    if triggers is None:
+        triggers = alap_triggers(profile, decisions, hw, share)
+    plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest,
+                      planner=planner, planner_version=version, prefetch=triggers)
+    if check:
+        res = simulate(lower(profile, plan), hw, budget_bytes=budget_bytes, record=False)
+        if not res.feasible:
+            raise BudgetInfeasibleError(
+                f"{planner}: its plan peaks at {res.peak_bytes:,} B, over the budget of {budget_bytes:,} B"
+            )
+    return plan
+
+
+def floor_bytes(profile: StepProfile) -> int:
+    """Bytes no plan can avoid at the backward start of some region: non-recomputable tensors that
+    cannot be swapped in time are a planner matter; this is the hard floor max_r bytes(r)."""
+    per = {}
+    for a in profile.activations:
+        per[profile.region_of(a)] = per.get(profile.region_of(a), 0) + a.bytes
+    return max(per.values(), default=0)

@@ -1,0 +1,14 @@
+"""The optimum of the region model with swap and recompute (Checkmate-style MILP with swap added),
+solved exactly by HiGHS; an upper bound for any planner that plans within the same model."""
+
+from __future__ import annotations
+
+from ..hardware import Hardware
+from ..plan import Plan
+from ..profile import StepProfile
+from .common import PRIVATE, RegionModel, Share
+from .milp import solve_region_milp
+
+
+def plan_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+    return solve_region_milp(RegionModel(profile, hw, share), budget_bytes, allow_swap=True, planner="optimal")

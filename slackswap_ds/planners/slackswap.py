@@ -1,0 +1,159 @@
+"""The SlackSwap planner: spend the hideable transfer time on the tensors most expensive to
+recompute, recompute the cheapest others, keep the rest; then check and improve in the simulator.
+
+1. Slack. A region's swaps are free when their D2H copies fit under that region's forward and
+   their H2D copies under the backward of the region after it (which runs just before), at the
+   rank's share of the link (`Share`). These windows are the slack.
+2. Swap. Candidates in order of recompute cost per byte, most expensive first (tensors that cannot
+   be recomputed at all come first); each is swapped if its copies fit the remaining slack and
+   the host pool, and while the memory model still runs over budget.
+3. Recompute. While the region memory model's peak M(r*) is over budget, recompute the tensor with
+   the lowest marginal recompute time per byte (producers already re-run in its region are free)
+   among the regions before r*.
+4. Check and improve. Simulate; if the simulator's peak overshoots (copy latency, transients the
+   model does not see), tighten the model budget by the overshoot and continue from step 3; if
+   prefetches stall compute, try earlier triggers; keep the fastest feasible plan.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from ..errors import BudgetInfeasibleError
+from ..hardware import Hardware
+from ..plan import Decision, Plan, lower
+from ..profile import StepProfile
+from ..simulator import simulate
+from .common import PRIVATE, RegionModel, Share, alap_triggers, keep_all
+
+NAME, VERSION = "slackswap", "1"
+MAX_REPAIRS = 8
+LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when the simulator shows stalls
+
+
+def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+    model = RegionModel(profile, hw, share)
+    state = _State(model)
+    target = budget_bytes
+    best: tuple[float, Plan] | None = None
+    for _ in range(MAX_REPAIRS):
+        state.swap_within_slack(target)
+        state.recompute_until(target)
+        overshoot = 0
+        for lead in LEADS:
+            triggers = alap_triggers(profile, state.dec, hw, share, lead=lead)
+            plan = Plan.build(profile, state.dec, budget_bytes=budget_bytes, hardware_digest=hw.digest,
+                              planner=NAME, planner_version=VERSION, prefetch=triggers)
+            res = simulate(lower(profile, plan), hw, budget_bytes=budget_bytes, record=False)
+            if res.feasible:
+                if best is None or res.step_s < best[0]:
+                    best = (res.step_s, plan)
+                if res.stall_s["compute"] <= 1e-9 * res.step_s:
+                    break
+            else:
+                overshoot = overshoot or res.peak_bytes - budget_bytes
+        if best is not None:
+            return best[1]
+        target -= overshoot
+    raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B after {MAX_REPAIRS} repairs")
+
+
+class _State:
+    """Decisions plus the incremental bookkeeping of the region model."""
+
+    def __init__(self, model: RegionModel):
+        self.m = model
+        p = model.profile
+        self.dec = keep_all(p)
+        n = len(model.regions)
+        self.kept = list(model.bytes)
+        self.swapped = [0] * n
+        self.d2h_left = list(model.fwd_s)
+        # H2D of region r runs under region r+1's backward; the last region has no window.
+        self.h2d_left = [model.bwd_s[r + 1] if r + 1 < n else 0.0 for r in range(n)]
+        self.pool_left = model.share.host_pool_bytes
+        self.rerun: list[set[int]] = [set() for _ in range(n)]
+        self.swap_tried = False
+
+    def peak(self) -> tuple[int, int]:
+        best, where, below = -1, 0, 0
+        for r, b in enumerate(self.m.bytes):
+            m = below + b + (self.swapped[r - 1] if r else 0)
+            if m > best:
+                best, where = m, r
+            below += self.kept[r]
+        return best, where
+
+    def _rec_cost(self, a) -> float:
+        r = self.m.region_of[a.key]
+        return sum(self.m.profile.ops[p].fwd_s for p in a.producers if p not in self.rerun[r])
+
+    def swap_within_slack(self, target: int) -> None:
+        if self.swap_tried:
+            return
+        self.swap_tried = True
+        m = self.m
+        cands = [a for a in m.profile.activations if a.bytes > 0]
+        cands.sort(key=lambda a: (-(self._rec_cost(a) / a.bytes if a.recomputable else float("inf")),
+                                  m.region_of[a.key], a.key))
+        for a in cands:
+            if self.peak()[0] <= target:
+                break
+            r = m.region_of[a.key]
+            out = m.copy_s(a.bytes, m.d2h_bps)
+            back = m.copy_s(a.bytes, m.h2d_bps)
+            if out > self.d2h_left[r] or back > self.h2d_left[r]:
+                continue
+            if self.pool_left is not None and a.bytes > self.pool_left:
+                continue
+            self.dec[a.key] = Decision.SWAP
+            self.d2h_left[r] -= out
+            self.h2d_left[r] -= back
+            self.kept[r] -= a.bytes
+            self.swapped[r] += a.bytes
+            if self.pool_left is not None:
+                self.pool_left -= a.bytes
+
+    def recompute_until(self, target: int) -> None:
+        m = self.m
+        heap = []
+        for a in m.profile.activations:
+            if a.recomputable and a.bytes > 0 and self.dec[a.key] is Decision.KEEP:
+                heap.append((self._rec_cost(a) / a.bytes, m.region_of[a.key], a.key))
+        heapq.heapify(heap)
+        deferred = []
+        while True:
+            peak, where = self.peak()
+            if peak <= target:
+                return
+            while heap:
+                cost, r, key = heapq.heappop(heap)
+                a = m.profile.by_key[key]
+                if self.dec[key] is not Decision.KEEP:
+                    continue
+                if r >= where:  # dropping here does not lower M(where)
+                    deferred.append((cost, r, key))
+                    continue
+                now = self._rec_cost(a) / a.bytes
+                if now > cost + 1e-18:  # cost went stale? (it can only fall) -> retry later
+                    heapq.heappush(heap, (now, r, key))
+                    continue
+                if now < cost - 1e-18:
+                    heapq.heappush(heap, (now, r, key))
+                    continue
+                self.dec[key] = Decision.RECOMPUTE
+                self.kept[r] -= a.bytes
+                self.rerun[r].update(a.producers)
+                # producers now shared make its region-mates cheaper
+                for b in m.profile.region_acts[m.regions[r]]:
+                    if self.dec[b.key] is Decision.KEEP and b.recomputable and b.bytes > 0:
+                        heapq.heappush(heap, (self._rec_cost(b) / b.bytes, r, b.key))
+                break
+            else:
+                raise BudgetInfeasibleError(
+                    f"{NAME}: even recomputing everything possible leaves an estimated peak of {peak:,} B "
+                    f"in region {m.regions[where]!r}, over the target of {target:,} B"
+                )
+            for item in deferred:
+                heapq.heappush(heap, item)
+            deferred.clear()
