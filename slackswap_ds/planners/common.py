@@ -169,21 +169,43 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
     return triggers
 
 
-def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
-             share: Share, planner: str, version: str = "1", triggers: dict[str, str] | None = None,
-             check: bool = True) -> Plan:
-    """Build the Plan (ALAP prefetch unless triggers are given) and, with `check`, refuse to emit it
-    if the simulator finds it over budget."""
-    if triggers is None:
-        triggers = alap_triggers(profile, decisions, hw, share)
-    plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest,
-                      planner=planner, planner_version=version, prefetch=triggers)
-    if check:
-        res = simulate(lower(profile, plan), hw, budget_bytes=budget_bytes, record=False)
+LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when prefetches stall compute
+
+
+def simulate_plan(profile: StepProfile, plan: Plan, hw: Hardware) -> SimResult:
+    return simulate(lower(profile, plan), hw, budget_bytes=plan.budget_bytes, record=False)
+
+
+def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
+                  share: Share, planner: str, version: str = "1") -> tuple[Plan | None, int]:
+    """The fastest feasible plan over the prefetch margins in LEADS (stopping at the first that
+    does not stall compute), or (None, overshoot in bytes of the latest margin tried)."""
+    best: tuple[float, Plan] | None = None
+    overshoot = 0
+    for lead in LEADS if any(d is Decision.SWAP for d in decisions.values()) else (0,):
+        plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
+                          planner_version=version, prefetch=alap_triggers(profile, decisions, hw, share, lead=lead))
+        res = simulate_plan(profile, plan, hw)
         if not res.feasible:
-            raise BudgetInfeasibleError(
-                f"{planner}: its plan peaks at {res.peak_bytes:,} B, over the budget of {budget_bytes:,} B"
-            )
+            overshoot = overshoot or res.peak_bytes - budget_bytes
+            continue
+        if best is None or res.step_s < best[0]:
+            best = (res.step_s, plan)
+        if res.stall_s["compute"] <= 1e-9 * res.step_s:
+            break
+    return (best[1], 0) if best else (None, overshoot)
+
+
+def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
+             share: Share, planner: str, version: str = "1") -> Plan:
+    """The best-triggered plan for fixed decisions; BudgetInfeasibleError if the simulator finds it
+    over budget."""
+    plan, overshoot = best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share,
+                                    planner=planner, version=version)
+    if plan is None:
+        raise BudgetInfeasibleError(
+            f"{planner}: its plan peaks at {budget_bytes + overshoot:,} B, over the budget of {budget_bytes:,} B"
+        )
     return plan
 
 

@@ -1,9 +1,10 @@
 """The SlackSwap planner: spend the hideable transfer time on the tensors most expensive to
 recompute, recompute the cheapest others, keep the rest; then check and improve in the simulator.
 
-1. Slack. A region's swaps are free when their D2H copies fit under that region's forward and
-   their H2D copies under the backward of the region after it (which runs just before), at the
-   rank's share of the link (`Share`). These windows are the slack.
+1. Slack. A region's swaps are free when their D2H copies finish before forward ends (copies queue
+   in order, so for every k the copies of regions >= k must fit under the forward of regions >= k)
+   and their H2D copies fit under the backward of the region after it (which runs just before), at
+   the rank's share of the link (`Share`). These windows are the slack.
 2. Swap. Candidates in order of recompute cost per byte, most expensive first (tensors that cannot
    be recomputed at all come first); each is swapped if its copies fit the remaining slack and
    the host pool, and while the memory model still runs over budget.
@@ -21,39 +22,25 @@ import heapq
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
-from ..plan import Decision, Plan, lower
+from ..plan import Decision, Plan
 from ..profile import StepProfile
-from ..simulator import simulate
-from .common import PRIVATE, RegionModel, Share, alap_triggers, keep_all
+from .common import PRIVATE, RegionModel, Share, best_triggers, keep_all
 
 NAME, VERSION = "slackswap", "1"
 MAX_REPAIRS = 8
-LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when the simulator shows stalls
 
 
 def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
     model = RegionModel(profile, hw, share)
     state = _State(model)
     target = budget_bytes
-    best: tuple[float, Plan] | None = None
     for _ in range(MAX_REPAIRS):
         state.swap_within_slack(target)
         state.recompute_until(target)
-        overshoot = 0
-        for lead in LEADS:
-            triggers = alap_triggers(profile, state.dec, hw, share, lead=lead)
-            plan = Plan.build(profile, state.dec, budget_bytes=budget_bytes, hardware_digest=hw.digest,
-                              planner=NAME, planner_version=VERSION, prefetch=triggers)
-            res = simulate(lower(profile, plan), hw, budget_bytes=budget_bytes, record=False)
-            if res.feasible:
-                if best is None or res.step_s < best[0]:
-                    best = (res.step_s, plan)
-                if res.stall_s["compute"] <= 1e-9 * res.step_s:
-                    break
-            else:
-                overshoot = overshoot or res.peak_bytes - budget_bytes
-        if best is not None:
-            return best[1]
+        plan, overshoot = best_triggers(profile, state.dec, hw=hw, budget_bytes=budget_bytes, share=share,
+                                        planner=NAME, version=VERSION)
+        if plan is not None:
+            return plan
         target -= overshoot
     raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B after {MAX_REPAIRS} repairs")
 
@@ -68,7 +55,8 @@ class _State:
         n = len(model.regions)
         self.kept = list(model.bytes)
         self.swapped = [0] * n
-        self.d2h_left = list(model.fwd_s)
+        # D2H of region r may run under the forward of r or any later region: suffix windows.
+        self.d2h_slack = [sum(model.fwd_s[k:]) for k in range(n)]
         # H2D of region r runs under region r+1's backward; the last region has no window.
         self.h2d_left = [model.bwd_s[r + 1] if r + 1 < n else 0.0 for r in range(n)]
         self.pool_left = model.share.host_pool_bytes
@@ -102,12 +90,13 @@ class _State:
             r = m.region_of[a.key]
             out = m.copy_s(a.bytes, m.d2h_bps)
             back = m.copy_s(a.bytes, m.h2d_bps)
-            if out > self.d2h_left[r] or back > self.h2d_left[r]:
+            if back > self.h2d_left[r] or out > min(self.d2h_slack[: r + 1]):
                 continue
             if self.pool_left is not None and a.bytes > self.pool_left:
                 continue
             self.dec[a.key] = Decision.SWAP
-            self.d2h_left[r] -= out
+            for k in range(r + 1):
+                self.d2h_slack[k] -= out
             self.h2d_left[r] -= back
             self.kept[r] -= a.bytes
             self.swapped[r] += a.bytes
