@@ -174,7 +174,8 @@ def _params(data: dict, path: Path, expected: list[str], ints: set[str] = frozen
         v = entry["value"]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             problems.append(f"param {k!r} must be a positive finite number, got {v!r}")
-        elif k in ints and int(v) != v:
+            continue
+        if k in ints and int(v) != v:
             problems.append(f"param {k!r} must be a whole number, got {v!r}")
         if entry["status"] not in STATUSES:
             problems.append(f"param {k!r}: status must be one of {list(STATUSES)}, got {entry['status']!r}")

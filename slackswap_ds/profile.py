@@ -43,6 +43,11 @@ class Op:
     bwd_s: float
     region: str
 
+    def __post_init__(self) -> None:
+        # floats always, so that the canonical JSON (and the digest) of 1 and 1.0 agree
+        object.__setattr__(self, "fwd_s", float(self.fwd_s))
+        object.__setattr__(self, "bwd_s", float(self.bwd_s))
+
     def to_json(self) -> dict:
         return {"key": self.key, "fwd_s": self.fwd_s, "bwd_s": self.bwd_s, "region": self.region}
 

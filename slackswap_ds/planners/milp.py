@@ -4,7 +4,7 @@ Variables, all binary: s[a] (swap a), r[a] (recompute a), u[o] (producer op o re
     minimise   sum_o u[o] * fwd_s(o)                                  (recompute time)
     s[a] + r[a] <= 1;  u[o] >= r[a] for o in producers(a)
     M(r) = kept(<r) + bytes(r) + swapped(r-1) <= budget              for every region r
-    sum_{a in regions >= k} s[a] * copy_d2h(a) <= fwd_s(regions >= k)  for every k (the D2H queue
+    sum_{a saved at op >= k} s[a] * copy_d2h(a) <= fwd_s(ops > k)   for every op k (the D2H queue
                                                                       drains before forward ends)
     sum_{a in r} s[a] * copy_h2d(a) <= bwd_s(r+1) + recompute(r+1)   (H2D hidden under the next
                                                                       region's backward)
@@ -126,16 +126,21 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, time_limit_s: floa
         below += model.bytes[r]
 
     if allow_swap:
-        # D2H queue: backlog Q[r] >= Q[r-1] + copies(r) - fwd(r), Q >= 0, and Q[last] = 0 (drained
-        # before forward ends); equivalent to "copies of regions >= k fit under their forward".
-        Q = [var("Q", r) for r in range(nreg)]
-        for r in range(nreg):
-            row_ = {Q[r]: 1.0}
-            if r:
-                row_[Q[r - 1]] = -1.0
-            for j, v in terms(r, ("s",), lambda a: -model.copy_s(a.bytes, model.d2h_bps)).items():
-                row_[j] = v
-            add(row_, -model.fwd_s[r], np.inf)
+        # D2H queue, at op granularity: a tensor saved by op i is released at the start of op i+1.
+        # Backlog Q[b] >= Q[b-1] + released(b) - fwd(op b), Q >= 0, Q[n] = 0 (drained when forward
+        # ends); equivalent to "for every k, copies released from op k on fit under ops k..".
+        nops = len(profile.ops)
+        released: list[dict[int, float]] = [{} for _ in range(nops + 1)]
+        for a in acts:
+            if ("s", a.key) in col:
+                released[a.saved_at + 1][col["s", a.key]] = -model.copy_s(a.bytes, model.d2h_bps)
+        Q = [var("Q", b) for b in range(nops + 1)]
+        for b in range(nops + 1):
+            window = profile.ops[b].fwd_s if b < nops else 0.0
+            row_ = {Q[b]: 1.0, **released[b]}
+            if b:
+                row_[Q[b - 1]] = -1.0
+            add(row_, -window, np.inf)
         add({Q[-1]: 1.0}, -np.inf, 0)
         for r in range(nreg - 1):
             back = terms(r, ("s",), lambda a: model.copy_s(a.bytes, model.h2d_bps))
@@ -156,8 +161,9 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, time_limit_s: floa
     A = coo_matrix((vals, (rows, cols)), shape=(row, n)).tocsr()
     res = milp(cost, constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=Bounds(0, upper),
                options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": MIP_REL_GAP})
+    bound = getattr(res, "mip_dual_bound", None)
     _LAST_BOUND[planner] = (float(res.fun) if res.x is not None else float("nan"),
-                            float(getattr(res, "mip_dual_bound", float("nan"))))
+                            float("nan") if bound is None else float(bound))
     if res.x is None:
         raise BudgetInfeasibleError(
             f"{planner}: no plan can keep the estimated peak within {budget:,} B ({res.message})"

@@ -2,8 +2,8 @@
 recompute, recompute the cheapest others, keep the rest; then check and improve in the simulator.
 
 1. Slack. A region's swaps are free when their D2H copies finish before forward ends (copies queue
-   in order, so for every k the copies of regions >= k must fit under the forward of regions >= k)
-   and their H2D copies fit under the backward of the region after it (which runs just before), at
+   in save order, so for every op k the copies of tensors saved from op k on must fit under the
+   forward of the ops after k) and their H2D copies fit under the backward of the region after it (which runs just before), at
    the rank's share of the link (`Share`). These windows are the slack.
 2. Swap. Candidates in order of recompute cost per byte, most expensive first (tensors that cannot
    be recomputed at all come first); each is swapped if its copies fit the remaining slack and
@@ -19,6 +19,8 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
 from __future__ import annotations
 
 import heapq
+
+import numpy as np
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
@@ -55,8 +57,11 @@ class _State:
         n = len(model.regions)
         self.kept = list(model.bytes)
         self.swapped = [0] * n
-        # D2H of region r may run under the forward of r or any later region: suffix windows.
-        self.d2h_slack = [sum(model.fwd_s[k:]) for k in range(n)]
+        # D2H copies queue in save order and must drain before forward ends. A tensor saved by op i
+        # can copy under the forward of ops i+1..; for every k, copies released at or after op k
+        # must fit under the forward of ops k.. (suffix windows at op granularity).
+        fwd = np.array([o.fwd_s for o in p.ops] + [0.0])
+        self.d2h_slack = np.cumsum(fwd[::-1])[::-1].copy()
         # H2D of region r runs under region r+1's backward; the last region has no window.
         self.h2d_left = [model.bwd_s[r + 1] if r + 1 < n else 0.0 for r in range(n)]
         self.pool_left = model.share.host_pool_bytes
@@ -90,13 +95,13 @@ class _State:
             r = m.region_of[a.key]
             out = m.copy_s(a.bytes, m.d2h_bps)
             back = m.copy_s(a.bytes, m.h2d_bps)
-            if back > self.h2d_left[r] or out > min(self.d2h_slack[: r + 1]):
+            release = a.saved_at + 1
+            if back > self.h2d_left[r] or out > self.d2h_slack[: release + 1].min():
                 continue
             if self.pool_left is not None and a.bytes > self.pool_left:
                 continue
             self.dec[a.key] = Decision.SWAP
-            for k in range(r + 1):
-                self.d2h_slack[k] -= out
+            self.d2h_slack[: release + 1] -= out
             self.h2d_left[r] -= back
             self.kept[r] -= a.bytes
             self.swapped[r] += a.bytes

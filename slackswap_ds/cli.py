@@ -1,0 +1,528 @@
+"""The ``slackswap`` command.
+
+    slackswap simulate [--workload W ...] [--budget B ...] [--hardware H | --node N] [--planner P ...]
+                       [--seq S] [--micro-batch M] [--layers L] [--json] [--trace FILE] [--plot FILE]
+    slackswap plan --workload W --budget B [--hardware H | --node N] [--planner P] -o plan.json
+
+A budget is a fraction of the keep-all activation peak (``0.5``, ``50%``) or a byte size (``12GiB``,
+``8e9``, ``16GB``). User errors (unknown names, bad files, an infeasible budget for ``plan``) print
+one line ``slackswap: error: ...`` on stderr and exit with 2; no stack traces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .errors import BudgetInfeasibleError, SlackSwapError, UnknownNameError
+from .hardware import Hardware, Node, load_hardware, load_node, preset_names
+from .plan import Decision, Plan, lower
+from .planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, resolve_budget
+from .profile import StepProfile
+from .simulator import SimResult, simulate, simulate_node
+from .workloads import PRESETS, workload, workload_names
+
+DEFAULT_WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
+DEFAULT_HARDWARE = "a100-80g-pcie4"
+PROGRESS_ABOVE = 6  # (workload, budget) combinations above which progress goes to stderr
+SLOW_PLANNER_S = 10.0  # a planner slower than this gets a note on stderr
+
+# SlackSwap (arXiv 2610.13003): simulated A100 + PCIe 4.0, budget 50% of the keep-all peak.
+PAPER = "SlackSwap arXiv 2610.13003, simulated A100 + PCIe 4.0, 50% budget"
+PAPER_THROUGHPUT_PCT = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}
+
+GB = 1e9
+
+
+# ---- budgets -----------------------------------------------------------------------------------
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A budget as given: a fraction of the keep-all peak, or bytes."""
+
+    value: float | int
+    is_fraction: bool
+    text: str = field(default="", compare=False)
+
+    def resolve(self, profile: StepProfile) -> int:
+        return resolve_budget(self.value, profile) if self.is_fraction else int(self.value)
+
+    @property
+    def json_value(self) -> float | int:
+        return float(self.value) if self.is_fraction else int(self.value)
+
+    def __str__(self) -> str:
+        return f"{self.value * 100:g}%" if self.is_fraction else _gb(int(self.value))
+
+
+def parse_budget(text: str) -> Budget:
+    """``0.5`` / ``50%`` -> fraction; ``12GiB`` / ``16GB`` / ``8e9`` / ``8e9B`` -> bytes.
+
+    A plain number in (0, 1] is a fraction of the keep-all peak, a larger plain number is bytes."""
+    m = _BUDGET_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid budget {text!r}: give a fraction of the keep-all peak (0.5, 50%) or a size (12GiB, 16GB, 8e9)"
+        )
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if not math.isfinite(number) or number <= 0:
+        raise argparse.ArgumentTypeError(f"invalid budget {text!r}: must be positive")
+    if unit == "%":
+        if number > 100:
+            raise argparse.ArgumentTypeError(f"invalid budget {text!r}: a percentage must be in (0, 100]")
+        return Budget(number / 100, True, text)
+    if unit == "":
+        if number <= 1:
+            return Budget(number, True, text)
+        return Budget(_whole_bytes(number, text), False, text)
+    if unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"invalid budget {text!r}: unknown unit {m.group(2)!r}; use %, B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+        )
+    return Budget(_whole_bytes(number * _UNITS[unit], text), False, text)
+
+
+def _whole_bytes(x: float, text: str) -> int:
+    n = int(round(x))
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"invalid budget {text!r}: less than one byte")
+    return n
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return v
+
+
+# ---- formatting helpers ------------------------------------------------------------------------
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f} GB"
+
+
+def _names(values: Sequence[str] | None) -> list[str]:
+    """Flatten repeated / comma-separated name options, keeping order, dropping duplicates."""
+    out: list[str] = []
+    for v in values or ():
+        for part in str(v).split(","):
+            part = part.strip()
+            if part and part not in out:
+                out.append(part)
+    return out
+
+
+def short_source(name: str) -> str:
+    """A one-line form of a preset's `source`: the paper for the dims and the repository for the shape."""
+    spec = PRESETS.get(name)
+    if spec is None:
+        return ""
+    src = spec.source
+    paper = re.search(r"\(([A-Z][\w-]+ et al\.? \d{4})", src)
+    repo = re.search(r"\b([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)\b", src)
+    parts = [p.group(1) for p in (paper, repo) if p]
+    if not parts:
+        return src if len(src) <= 60 else src[:57] + "..."
+    return " + ".join(parts)
+
+
+# ---- keeping stdout clean -----------------------------------------------------------------------
+def _c_fflush() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # pragma: no cover - no libc (unusual platforms): nothing buffered to flush
+        pass
+
+
+@contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native code (e.g. the HiGHS MILP solver) prints on file descriptor 1 to stderr
+    while the block runs, so that ``--json`` output on stdout stays parseable."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no usable fd 1
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        _c_fflush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+# ---- one simulated row -------------------------------------------------------------------------
+@dataclass
+class Target:
+    """Where steps are simulated: one GPU (private link) or every GPU of a node."""
+
+    hw: Hardware
+    node: Node | None
+
+    @property
+    def name(self) -> str:
+        return self.node.name if self.node else self.hw.name
+
+    @property
+    def share(self) -> Share:
+        return Share.of_node(self.node) if self.node else PRIVATE
+
+    def simulate(self, profile: StepProfile, plan: Plan, budget_bytes: int, ideal_s: float,
+                 record: bool) -> SimResult:
+        sch = lower(profile, plan)
+        if self.node is None:
+            return simulate(sch, self.hw, budget_bytes=budget_bytes, ideal_s=ideal_s, record=record)
+        return simulate_node([sch] * self.node.gpus, self.node, budget_bytes=budget_bytes, ideal_s=ideal_s,
+                             record=record)
+
+
+def _load_target(hardware: str | None, node: str | None) -> Target:
+    if node is not None:
+        n = load_node(node)
+        return Target(n.gpu, n)
+    return Target(load_hardware(hardware or DEFAULT_HARDWARE), None)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, int]:
+    out = {}
+    for opt, name in (("seq", "seq"), ("micro_batch", "micro_batch"), ("layers", "layers")):
+        v = getattr(args, opt, None)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def _internal_error(what: str, e: BaseException) -> None:
+    """Not a user error: say so on stderr (with the traceback when SLACKSWAP_DEBUG is set)."""
+    print(f"slackswap: internal error in {what}: {type(e).__name__}: {e} (row marked 'error'"
+          f"{'' if os.environ.get('SLACKSWAP_DEBUG') else '; set SLACKSWAP_DEBUG=1 for the traceback'})",
+          file=sys.stderr, flush=True)
+    if os.environ.get("SLACKSWAP_DEBUG"):
+        traceback.print_exception(e, file=sys.stderr)
+
+
+def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: int, ideal_s: float,
+            record: bool = False) -> tuple[dict, Plan | None, SimResult | None]:
+    """Plan and simulate one (profile, budget, planner): the row's measured fields, the plan, the result."""
+    fn = get_planner(planner)
+    try:
+        with native_stdout_to_stderr():
+            plan = fn(profile, target.hw, budget_bytes, share=target.share)
+    except BudgetInfeasibleError as e:
+        msg = str(e)
+        if msg.startswith(f"{planner}: "):
+            msg = msg[len(planner) + 2:]
+        return {"feasible": False, "status": "infeasible", "error": msg}, None, None
+    except Exception as e:  # a planner bug: report it in the row and on stderr, keep sweeping
+        _internal_error(f"planner {planner!r}", e)
+        return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, None, None
+    try:
+        res = target.simulate(profile, plan, budget_bytes, ideal_s, record)
+    except Exception as e:
+        _internal_error(f"simulating the {planner!r} plan", e)
+        return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, plan, None
+    by = plan.bytes_by_decision(profile)
+    row = {
+        "throughput_pct": 100.0 * res.throughput,
+        "step_s": res.step_s,
+        "peak_bytes": res.peak_bytes,
+        "feasible": res.feasible,
+        "status": "ok" if res.feasible else "over budget",
+        "recompute_s": res.recompute_s,
+        "stall_s": dict(res.stall_s),
+        "swapped_bytes": by[Decision.SWAP],
+        "recomputed_bytes": by[Decision.RECOMPUTE],
+    }
+    if not res.feasible:
+        row["error"] = f"simulated peak {res.peak_bytes:,} B exceeds the budget of {budget_bytes:,} B"
+    return row, plan, res
+
+
+# ---- simulate ----------------------------------------------------------------------------------
+_COLUMNS = ("planner", "thru %", "step ms", "peak GB", "peak/bud", "recomp ms", "swap GB", "feasible")
+_WIDTHS = (20, 8, 10, 9, 10, 11, 9, 12)
+
+
+def _table_row(cells: Sequence[str]) -> str:
+    first, *rest = cells
+    return "  " + f"{first:<{_WIDTHS[0]}}" + "".join(f"{c:>{w}}" for c, w in zip(rest, _WIDTHS[1:]))
+
+
+def _format_row(row: dict) -> str:
+    if row["status"] in ("infeasible", "error"):
+        return _table_row([row["planner"], *(["-"] * 6), row["status"]])
+    return _table_row([
+        row["planner"],
+        f"{row['throughput_pct']:.1f}",
+        f"{row['step_s'] * 1e3:.1f}",
+        f"{row['peak_bytes'] / GB:.2f}",
+        f"{row['peak_bytes'] / row['budget_bytes']:.3f}" if row["budget_bytes"] else "-",
+        f"{row['recompute_s'] * 1e3:.1f}",
+        f"{row['swapped_bytes'] / GB:.2f}",
+        "yes" if row["feasible"] else "NO (over)",
+    ])
+
+
+def _header(name: str, profile_name: str, target: Target, overrides: dict, ka: SimResult, budget: Budget,
+            budget_bytes: int) -> list[str]:
+    spec = PRESETS[name]
+    shape = {"seq": spec.seq, "micro_batch": spec.micro_batch, "layers": spec.layers, **overrides}
+    where = (f"{target.node.name} ({target.node.gpus}x {target.hw.name}, slowest rank)" if target.node
+             else target.hw.name)
+    src = short_source(name) + (" (shape overridden)" if overrides else "")
+    lines = [
+        f"{profile_name} on {where}: seq {shape['seq']}, micro-batch {shape['micro_batch']}, "
+        f"{shape['layers']} layers; source: {src}",
+        f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak {_gb(ka.peak_bytes)}, "
+        f"budget {_gb(budget_bytes)} ({budget_bytes:,} B = {budget_bytes / ka.peak_bytes:.0%} of keep-all)"
+        if ka.peak_bytes else f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak 0 B, budget {budget_bytes:,} B",
+        _table_row(_COLUMNS),
+    ]
+    return lines
+
+
+def _paper_line(name: str, budget: Budget, rows: list[dict], hardware: str) -> str | None:
+    if name not in PAPER_THROUGHPUT_PCT or not (budget.is_fraction and budget.value == 0.5):
+        return None
+    ours = next((r for r in rows if r["planner"] == "slackswap"), None)
+    if ours is None or ours.get("throughput_pct") is None:
+        ours_s = "slackswap not run" if ours is None else f"slackswap {ours['status']}"
+    else:
+        ours_s = f"{ours['throughput_pct']:.1f}%"
+    return f"  paper ({PAPER}): {PAPER_THROUGHPUT_PCT[name]:.1f}%   ours (slackswap, {hardware}): {ours_s}"
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    names = _names(args.workload) or list(DEFAULT_WORKLOADS)
+    if names == ["all"]:
+        names = workload_names()
+    planners = _names(args.planner) or list(PLANNERS)
+    budgets = list(dict.fromkeys(args.budget or [parse_budget("0.5")]))
+    # Validate every name before any work, so a typo fails at once.
+    for n in names:
+        if n not in PRESETS:
+            raise UnknownNameError("workload", n, workload_names())
+    for p in planners:
+        get_planner(p)
+    target = _load_target(args.hardware, args.node)
+    overrides = _overrides(args)
+
+    combos = len(names) * len(budgets)
+    progress = combos > PROGRESS_ABOVE
+    rows: list[dict] = []
+    trace_res: SimResult | None = None
+    trace_err: str | None = None
+    trace_budget: int | None = None
+    trace_title = ""
+    done = 0
+    out = sys.stdout
+    for wi, name in enumerate(names):
+        profile = workload(name, target.hw, **overrides)
+        ka = keep_all_result(profile, target.hw)
+        for bi, budget in enumerate(budgets):
+            t0 = time.perf_counter()
+            budget_bytes = budget.resolve(profile)
+            want_trace = bool(args.trace) and wi == 0 and bi == 0
+            group: list[dict] = []
+            for planner in planners:
+                record = want_trace and planner == "slackswap"
+                t1 = time.perf_counter()
+                fields, plan, res = run_one(profile, target, planner, budget_bytes, ka.step_s, record=record)
+                if time.perf_counter() - t1 > SLOW_PLANNER_S:
+                    print(f"slackswap: note: {planner} took {time.perf_counter() - t1:.0f} s on {profile.name} "
+                          f"at budget {budget}", file=sys.stderr, flush=True)
+                row = {
+                    "workload": name,
+                    "budget": budget.json_value,
+                    "hardware": target.name,
+                    "planner": planner,
+                    "throughput_pct": None,
+                    "step_s": None,
+                    "ideal_s": ka.step_s,
+                    "peak_bytes": None,
+                    "budget_bytes": budget_bytes,
+                    **fields,
+                }
+                group.append(row)
+                if record:
+                    trace_res, trace_err = res, fields.get("error") if res is None else None
+            if want_trace and "slackswap" not in planners:
+                fields, _, trace_res = run_one(profile, target, "slackswap", budget_bytes, ka.step_s, record=True)
+                trace_err = fields.get("error") if trace_res is None else None
+            if want_trace:
+                trace_budget = budget_bytes
+                trace_title = f"slackswap plan: {profile.name} on {target.name}, budget {budget} ({budget_bytes:,} B)"
+            rows.extend(group)
+            done += 1
+            if progress:
+                print(f"[{done}/{combos}] {name} budget {budget}: {len(planners)} planners in "
+                      f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+            if not args.json:
+                print("\n".join(_header(name, profile.name, target, overrides, ka, budget, budget_bytes)), file=out)
+                for row in group:
+                    print(_format_row(row), file=out)
+                paper = _paper_line(name, budget, group, target.name) if not overrides else None
+                if paper:
+                    print(paper, file=out)
+                for row in group:
+                    if row["status"] in ("infeasible", "error", "over budget"):
+                        print(f"  {row['planner']}: {row['status']}: {row['error']}", file=out)
+                print(file=out, flush=True)
+
+    if args.json:
+        json.dump([{k: v for k, v in r.items() if k != "status"} for r in rows], out, indent=1)
+        out.write("\n")
+        out.flush()
+    rc = 0
+    if args.trace:
+        if trace_res is None:
+            print(f"slackswap: error: no trace written: the slackswap plan could not be simulated: {trace_err}",
+                  file=sys.stderr)
+            rc = 1
+        else:
+            from .report import write_trace
+
+            write_trace(trace_res, args.trace, title=trace_title, budget_bytes=trace_budget)
+            print(f"slackswap: trace of the slackswap step written to {args.trace}", file=sys.stderr)
+    if args.plot:
+        from .report import plot_sweep
+
+        plot_sweep(rows, args.plot)
+        print(f"slackswap: sweep plot written to {args.plot}", file=sys.stderr)
+    return rc
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    get_planner(args.planner)
+    target = _load_target(args.hardware, args.node)
+    profile = workload(args.workload, target.hw, **_overrides(args))
+    ka = keep_all_result(profile, target.hw)
+    budget_bytes = args.budget.resolve(profile)
+    with native_stdout_to_stderr():
+        plan = get_planner(args.planner)(profile, target.hw, budget_bytes, share=target.share)
+    res = target.simulate(profile, plan, budget_bytes, ka.step_s, record=False)
+    if args.output == "-":
+        sys.stdout.write(json.dumps(plan.to_json(), indent=1, sort_keys=True) + "\n")
+        summary_out = sys.stderr
+    else:
+        try:
+            plan.save(args.output)
+        except OSError as e:
+            raise SlackSwapError(f"cannot write plan {args.output!r}: {e}") from e
+        summary_out = sys.stdout
+    by = plan.bytes_by_decision(profile)
+    count = {d: len(plan.keys(d)) for d in Decision}
+    print(
+        f"{args.planner} plan for {profile.name} on {target.name}, budget {args.budget} = {_gb(budget_bytes)}: "
+        f"keep {count[Decision.KEEP]} ({_gb(by[Decision.KEEP])}), swap {count[Decision.SWAP]} "
+        f"({_gb(by[Decision.SWAP])}), recompute {count[Decision.RECOMPUTE]} ({_gb(by[Decision.RECOMPUTE])}); "
+        f"simulated {100 * res.throughput:.1f}% of ideal, peak {_gb(res.peak_bytes)}"
+        f"{'' if res.feasible else ' (OVER BUDGET)'}; digest {plan.digest[:12]} -> {args.output}",
+        file=summary_out,
+    )
+    return 0 if res.feasible else 1
+
+
+# ---- parser ------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    gpus, nodes = preset_names("gpu"), preset_names("node")
+    parser = argparse.ArgumentParser(prog="slackswap", description="SlackSwap activation-memory planner for DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--hardware", metavar="H",
+                       help=f"GPU preset or hardware JSON file (default {DEFAULT_HARDWARE}; presets: {', '.join(gpus)})")
+        p.add_argument("--node", metavar="N",
+                       help=f"node preset or JSON file; simulates all its GPUs sharing host links "
+                            f"(presets: {', '.join(nodes)}); its GPU replaces --hardware")
+        p.add_argument("--seq", type=_positive_int, metavar="S", help="override the sequence length")
+        p.add_argument("--micro-batch", type=_positive_int, metavar="M", help="override the micro-batch size")
+        p.add_argument("--layers", type=_positive_int, metavar="L", help="override the number of layers")
+
+    sim = sub.add_parser("simulate", help="simulate planners on workloads and compare throughput",
+                         description="Plan and simulate one training step per (workload, budget, planner).")
+    sim.add_argument("--workload", "-w", action="extend", nargs="+", metavar="W",
+                     help=f"workload preset(s) (default {' '.join(DEFAULT_WORKLOADS)}; 'all' or any of "
+                          f"{', '.join(workload_names())})")
+    sim.add_argument("--budget", "-b", action="extend", nargs="+", type=parse_budget, metavar="B",
+                     help="activation budget(s): a fraction of the keep-all peak (0.5, 50%%) or a size "
+                          "(12GiB, 16GB, 8e9); default 0.5")
+    sim.add_argument("--planner", "-p", action="extend", nargs="+", metavar="P",
+                     help=f"planner(s) (default all: {', '.join(PLANNERS)})")
+    common(sim)
+    sim.add_argument("--json", action="store_true", help="print a JSON list of rows instead of tables")
+    sim.add_argument("--trace", metavar="FILE",
+                     help="write the Chrome/Perfetto trace of the slackswap step for the first workload and budget")
+    sim.add_argument("--plot", metavar="FILE", help="write a PNG of throughput vs budget (needs matplotlib)")
+    sim.set_defaults(func=cmd_simulate)
+
+    pl = sub.add_parser("plan", help="make a plan and write it as JSON",
+                        description="Make one plan for a workload and budget and write it (Plan JSON).")
+    pl.add_argument("--workload", "-w", required=True, metavar="W",
+                    help=f"workload preset ({', '.join(workload_names())})")
+    pl.add_argument("--budget", "-b", required=True, type=parse_budget, metavar="B",
+                    help="activation budget: fraction of the keep-all peak or a size (12GiB)")
+    pl.add_argument("--planner", "-p", default="slackswap", metavar="P",
+                    help=f"planner (default slackswap; {', '.join(PLANNERS)})")
+    common(pl)
+    pl.add_argument("--output", "-o", required=True, metavar="FILE", help="where to write the plan ('-' = stdout)")
+    pl.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse has already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.node is not None and args.hardware is not None:
+        parser.print_usage(sys.stderr)
+        print("slackswap: error: give --hardware or --node, not both (a node's GPU is set in its preset)",
+              file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except SlackSwapError as e:
+        print(f"slackswap: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `slackswap simulate --json | head`
+        try:
+            sys.stdout.close()
+        except OSError:
+            pass
+        return 0
+    except KeyboardInterrupt:
+        print("slackswap: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,132 @@
+"""Every plan any planner emits is feasible in the simulator; baselines do what they claim."""
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slackswap_ds.errors import BudgetInfeasibleError, UnknownNameError
+from slackswap_ds.plan import Decision, lower
+from slackswap_ds.planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, resolve_budget
+from slackswap_ds.profile import Activation, Op, StepProfile
+from slackswap_ds.simulator import simulate
+from slackswap_ds.workloads import workload
+
+import sys, pathlib
+
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1]))
+from conftest import toy_hardware  # noqa: E402
+
+
+@st.composite
+def profiles(draw):
+    """Random region-structured profiles: each region saves its input (not recomputable) and a few
+    tensors recomputable from earlier tensors of the same region."""
+    ops, acts = [], []
+    for r in range(draw(st.integers(1, 5))):
+        region = f"layers.{r}"
+        first = len(ops)
+        n_ops = draw(st.integers(1, 4))
+        for j in range(n_ops):
+            ops.append(Op(f"{region}:{j}:op", draw(st.floats(0.1, 5)), draw(st.floats(0.1, 10)), region))
+        keys = [f"{region}:x"]
+        acts.append(Activation(keys[0], draw(st.integers(0, 50)), (first,)))
+        for j in range(1, n_ops):
+            producer = first + draw(st.integers(0, j - 1))
+            deps = tuple(draw(st.lists(st.sampled_from(keys), max_size=2, unique=True)))
+            extra_user = draw(st.integers(first + j, first + n_ops - 1))
+            key = f"{region}:t{j}"
+            acts.append(Activation(key, draw(st.integers(1, 60)), tuple(sorted({first + j, extra_user})),
+                                   (producer,), deps))
+            keys.append(key)
+    return StepProfile("random", ops, acts)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=profiles(), frac=st.floats(0.1, 1.0), d2h=st.floats(1, 40), name=st.sampled_from(sorted(PLANNERS)))
+def test_every_emitted_plan_is_feasible(p, frac, d2h, name):
+    hw = toy_hardware(d2h=d2h, h2d=d2h, duplex_d2h=d2h, duplex_h2d=d2h / 2, latency=0.01)
+    budget = max(1, resolve_budget(frac, p))
+    try:
+        plan = get_planner(name)(p, hw, budget)
+    except BudgetInfeasibleError:
+        return
+    plan.check(p)
+    res = simulate(lower(p, plan), hw, budget_bytes=budget)
+    assert res.peak_bytes <= budget
+
+
+def test_unknown_planner_lists_choices():
+    with pytest.raises(UnknownNameError, match="valid choices: full-recompute, keep-all"):
+        get_planner("magic")
+
+
+@pytest.fixture(scope="module")
+def small_bert(a100):
+    return workload("bert-large", a100, layers=4, micro_batch=4)
+
+
+def test_full_recompute_keeps_only_layer_inputs(small_bert, a100):
+    p = small_bert
+    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p))
+    for a in p.activations:
+        in_layer = p.region_of(a).startswith("layers.")
+        expected = Decision.RECOMPUTE if in_layer and a.recomputable else Decision.KEEP
+        assert plan.decision[a.key] is expected, a.key
+
+
+def test_megatron_recomputes_exactly_the_attention_core(small_bert, a100):
+    p = small_bert
+    plan = PLANNERS["megatron-selective"](p, a100, resolve_budget(0.9, p))
+    recomputed = {a.layer_class for a in p.activations if plan.decision[a.key] is Decision.RECOMPUTE}
+    assert recomputed == {"layers.*.attn:softmax.out", "layers.*.attn:attn_dropout.mask",
+                          "layers.*.attn:attn_dropout.out"}
+
+
+def test_offload_all_swaps_everything_and_blocks(small_bert, a100):
+    p = small_bert
+    plan = PLANNERS["offload-all"](p, a100, resolve_budget(0.5, p))
+    assert set(plan.decision.values()) == {Decision.SWAP} and plan.blocking
+
+
+def test_keep_all_refuses_a_budget_below_its_peak(small_bert, a100):
+    with pytest.raises(BudgetInfeasibleError, match="over the budget"):
+        PLANNERS["keep-all"](small_bert, a100, resolve_budget(0.9, small_bert))
+
+
+def test_host_pool_limits_swaps(small_bert, a100):
+    p = small_bert
+    budget = resolve_budget(0.5, p)
+    plan = PLANNERS["slackswap"](p, a100, budget, Share(host_pool_bytes=0))
+    assert Decision.SWAP not in plan.decision.values()
+    with pytest.raises(BudgetInfeasibleError, match="host pool"):
+        PLANNERS["offload-all"](p, a100, budget, Share(host_pool_bytes=1))
+
+
+def test_budget_resolution():
+    p = StepProfile("p", [Op("a:0", 1, 1, "a")], [Activation("a:x", 1000, (0,))])
+    assert resolve_budget(0.5, p) == 500 and resolve_budget(1, p) == 1000 and resolve_budget(4096, p) == 4096
+    for bad in (0, -1, True, "half"):
+        with pytest.raises(ValueError, match="budget must be"):
+            resolve_budget(bad, p)
+
+
+@pytest.mark.parametrize("name, overrides", [("bert-large", {"layers": 6}), ("gpt2-xl", {"layers": 6, "micro_batch": 2}),
+                                             ("llama-7b", {"layers": 6, "micro_batch": 1})])
+def test_slackswap_beats_baselines_and_is_near_optimal(a100, name, overrides):
+    p = workload(name, a100, **overrides)
+    ideal = keep_all_result(p, a100).step_s
+    budget = resolve_budget(0.5, p)
+    thr = {}
+    for planner in ("slackswap", "optimal", "full-recompute", "megatron-selective", "offload-all",
+                    "recompute-knapsack"):
+        try:
+            plan = PLANNERS[planner](p, a100, budget, PRIVATE)
+        except BudgetInfeasibleError:
+            continue
+        res = simulate(lower(p, plan), a100, budget_bytes=budget, ideal_s=ideal, record=False)
+        assert res.feasible
+        thr[planner] = 100 * res.throughput
+    ours = thr.pop("slackswap")
+    best = thr.pop("optimal")
+    assert ours >= best - 0.5
+    assert all(ours >= other for other in thr.values()), thr

@@ -1,0 +1,266 @@
+"""The `slackswap` command: JSON rows, errors, budgets, traces, plans. Small shapes keep it fast;
+no test depends on a planner's throughput number (planners keep improving)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from slackswap_ds.cli import main, parse_budget, short_source
+from slackswap_ds.hardware import load_node, preset_names
+from slackswap_ds.plan import Plan
+from slackswap_ds.planners import PLANNERS
+from slackswap_ds.report import MEMORY_COUNTER, trace_busy_us
+from slackswap_ds.workloads import workload, workload_names
+
+SMALL = ["--workload", "bert-large", "--seq", "128", "--micro-batch", "2"]
+FAST = ["slackswap", "full-recompute", "offload-all", "keep-all"]  # no MILP: keep the suite fast
+REQUIRED = {
+    "workload": str, "budget": (int, float), "hardware": str, "planner": str,
+    "throughput_pct": (float, type(None)), "step_s": (float, type(None)), "ideal_s": float,
+    "peak_bytes": (int, type(None)), "budget_bytes": int, "feasible": bool,
+}
+
+
+def run_json(capsys, *argv: str) -> list[dict]:
+    rc = main(["simulate", *argv, "--json"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    return json.loads(out)  # stdout is nothing but the JSON list
+
+
+def test_json_rows_keys_and_types(capsys):
+    rows = run_json(capsys, *SMALL, "--planner", *FAST)
+    assert [(r["workload"], r["budget"], r["hardware"], r["planner"]) for r in rows] == [
+        ("bert-large", 0.5, "a100-80g-pcie4", p) for p in FAST]
+    profile = workload("bert-large", "a100-80g-pcie4", seq=128, micro_batch=2)
+    for r in rows:
+        assert REQUIRED.keys() <= r.keys()
+        for k, t in REQUIRED.items():
+            assert isinstance(r[k], t), (k, r[k])
+        assert not isinstance(r["budget_bytes"], bool) and not isinstance(r["peak_bytes"], bool)
+        assert r["budget_bytes"] == int(0.5 * profile.total_bytes)
+        assert r["ideal_s"] == pytest.approx(profile.forward_s + profile.backward_s)
+        if r["feasible"]:
+            assert r["peak_bytes"] <= r["budget_bytes"]
+            assert 0 < r["throughput_pct"] <= 100.0 + 1e-9
+            assert r["step_s"] >= r["ideal_s"] * (1 - 1e-12)
+            assert r["throughput_pct"] == pytest.approx(100 * r["ideal_s"] / r["step_s"])
+            assert r["swapped_bytes"] >= 0 and r["recomputed_bytes"] >= 0
+            assert set(r["stall_s"]) == {"compute", "d2h", "h2d"}
+        else:
+            assert isinstance(r["error"], str) and r["error"]
+    keep_all = rows[FAST.index("keep-all")]  # the keep-all peak is twice a 50% budget
+    assert keep_all["feasible"] is False and keep_all["throughput_pct"] is None
+    assert rows[FAST.index("full-recompute")]["feasible"] is True
+
+
+def test_full_budget_fits_every_planner(capsys):
+    rows = run_json(capsys, *SMALL, "--layers", "4", "--budget", "1.0",
+                    "--planner", *[p for p in PLANNERS if p not in ("optimal", "recompute-knapsack")])
+    assert all(r["feasible"] for r in rows)  # a 100% budget fits everything
+
+
+def test_table_output_and_paper_line(capsys):
+    assert main(["simulate", "--workload", "bert-large", "--planner", "slackswap", "keep-all"]) == 0
+    out = capsys.readouterr().out
+    assert "bert-large on a100-80g-pcie4" in out and "ideal step" in out and "keep-all peak" in out
+    assert "Devlin et al. 2018" in out
+    lines = out.splitlines()
+    assert any(line.split()[:1] == ["slackswap"] for line in lines)
+    assert any(line.split()[:1] == ["keep-all"] and "infeasible" in line for line in lines)
+    assert "96.3%" in out and "2610.13003" in out
+    # the paper's number is for a 50% budget only
+    assert main(["simulate", "--workload", "bert-large", "--planner", "slackswap", "--budget", "0.6"]) == 0
+    assert "2610.13003" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, kind, valid", [
+    (["--workload", "bert-huge"], "workload", workload_names()),
+    (["--hardware", "a100-nope"], "gpu preset", preset_names("gpu")),
+    (["--node", "dgx-nope"], "node preset", preset_names("node")),
+    (["--planner", "magic"], "planner", list(PLANNERS)),
+])
+def test_unknown_names_exit_2_and_list_choices(capsys, argv, kind, valid):
+    rc = main(["simulate", *SMALL[2:], *argv] if argv[0] == "--workload" else ["simulate", *SMALL, *argv])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("slackswap: error: unknown " + kind)
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    for name in valid:
+        assert name in err
+
+
+def test_plan_unknown_names_exit_2(capsys, tmp_path):
+    assert main(["plan", "-w", "nope", "-b", "0.5", "-o", str(tmp_path / "p.json")]) == 2
+    assert "valid choices" in capsys.readouterr().err
+    assert main(["plan", "-w", "bert-large", "-b", "0.5", "-p", "nope", "-o", str(tmp_path / "p.json")]) == 2
+    assert "slackswap" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_budget_parsing():
+    b = parse_budget("12GiB")
+    assert b.value == 12 * 2**30 and not b.is_fraction
+    b = parse_budget("0.5")
+    assert b.value == 0.5 and b.is_fraction
+    assert parse_budget("50%") == parse_budget("0.5")
+    assert parse_budget("1") == parse_budget("100%")  # 1 is the whole keep-all peak, not one byte
+    assert parse_budget("8e9").value == 8_000_000_000 and not parse_budget("8e9").is_fraction
+    assert parse_budget("16GB").value == 16 * 10**9
+    assert parse_budget("512 MiB").value == 512 * 2**20
+    assert parse_budget("1.5gib").value == 3 * 2**29
+    assert parse_budget("100B").value == 100
+    for bad in ("abc", "0", "-1", "0.0", "12XB", "150%", "", "nan", "GiB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_budget(bad)
+
+
+def test_bad_budget_is_an_argparse_error(capsys):
+    assert main(["simulate", *SMALL, "--budget", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid budget 'lots'" in err and "Traceback" not in err
+
+
+def test_byte_budget_rows(capsys):
+    rows = run_json(capsys, *SMALL, "--planner", "full-recompute", "--budget", "100MiB", "0.5")
+    assert [r["budget"] for r in rows] == [100 * 2**20, 0.5]
+    assert rows[0]["budget_bytes"] == 100 * 2**20 and isinstance(rows[0]["budget"], int)
+
+
+def test_long_sweep_progress_goes_to_stderr(capsys):
+    budgets = ["0.4", "0.5", "0.6", "0.7", "0.8", "0.9", "1.0"]
+    assert main(["simulate", *SMALL, "--planner", "full-recompute", "--budget", *budgets, "--json"]) == 0
+    cap = capsys.readouterr()
+    rows = json.loads(cap.out)
+    assert len(rows) == len(budgets)
+    assert "[7/7]" in cap.err
+
+
+def test_trace_matches_the_simulated_step(capsys, tmp_path):
+    path = tmp_path / "step.json"
+    rows = run_json(capsys, *SMALL, "--planner", "slackswap", "--trace", str(path))
+    (row,) = rows
+    assert row["feasible"]
+    trace = json.loads(path.read_text())
+    assert isinstance(trace["traceEvents"], list)
+    # compute busy time = forward + backward (the keep-all step) + recomputation
+    busy_us = (row["ideal_s"] + row["recompute_s"]) * 1e6
+    n_compute = sum(1 for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 1)
+    assert trace_busy_us(trace, "compute") == pytest.approx(busy_us, abs=1e-3 * n_compute)
+    mem = [e["args"]["bytes"] for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == MEMORY_COUNTER]
+    assert max(mem) == row["peak_bytes"] == trace["otherData"]["peak_bytes"]
+    assert trace["otherData"]["budget_bytes"] == row["budget_bytes"]
+    end_us = max(e["ts"] + e["dur"] for e in trace["traceEvents"] if e["ph"] == "X")
+    assert end_us == pytest.approx(row["step_s"] * 1e6, abs=1e-2)
+
+
+def test_unwritable_trace_is_a_clean_error_after_the_json(capsys, tmp_path):
+    rc = main(["simulate", *SMALL, "--planner", "slackswap", "--json", "--trace", str(tmp_path / "no" / "t.json")])
+    cap = capsys.readouterr()
+    assert rc == 2
+    assert len(json.loads(cap.out)) == 1
+    assert cap.err.strip().splitlines()[-1].startswith("slackswap: error: cannot write trace")
+
+
+def test_trace_without_slackswap_in_the_planners(capsys, tmp_path):
+    path = tmp_path / "step.json"
+    assert main(["simulate", *SMALL, "--planner", "full-recompute", "--trace", str(path)]) == 0
+    assert "slackswap" in json.loads(path.read_text())["otherData"]["title"]
+
+
+def test_node_simulation(capsys, tmp_path):
+    node = load_node("dgx-a100")
+    path = tmp_path / "node.json"
+    rows = run_json(capsys, *SMALL, "--node", "dgx-a100", "--planner", "slackswap", "full-recompute",
+                    "--trace", str(path))
+    assert {r["hardware"] for r in rows} == {"dgx-a100"}
+    for r in rows:
+        if r["feasible"]:
+            assert r["peak_bytes"] <= r["budget_bytes"]
+    trace = json.loads(path.read_text())
+    procs = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    assert len(procs) == node.gpus
+
+
+def test_hardware_and_node_together_is_an_error(capsys):
+    assert main(["simulate", *SMALL, "--node", "dgx-a100", "--hardware", "a100-80g-pcie4"]) == 2
+    assert "not both" in capsys.readouterr().err
+
+
+def test_plan_writes_a_loadable_plan(capsys, tmp_path):
+    path = tmp_path / "plan.json"
+    argv = ["plan", "--workload", "bert-large", "--seq", "128", "--micro-batch", "2", "--budget", "0.5",
+            "-o", str(path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "slackswap plan for bert-large" in out[0]
+    profile = workload("bert-large", "a100-80g-pcie4", seq=128, micro_batch=2)
+    plan = Plan.load(path, profile=profile)  # made for this profile, and fits it
+    assert plan.planner == "slackswap"
+    assert plan.budget_bytes == int(0.5 * profile.total_bytes)
+    assert plan.digest[:12] in out[0]
+    again = Plan.from_json(json.loads(plan.canonical_json()))
+    assert again.digest == plan.digest
+    # writing to stdout gives the same plan, with the summary on stderr
+    assert main(argv[:-1] + ["-"]) == 0
+    cap = capsys.readouterr()
+    assert Plan.from_json(json.loads(cap.out)).digest == plan.digest
+    assert plan.digest[:12] in cap.err
+
+
+def test_plan_infeasible_budget_is_a_clean_error(capsys, tmp_path):
+    assert main(["plan", *SMALL, "--budget", "1MB", "--planner", "full-recompute",
+                 "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slackswap: error: ") and "Traceback" not in err
+
+
+def test_plot_option(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "sweep.png"
+    run_json(capsys, *SMALL, "--planner", "full-recompute", "--budget", "0.4", "0.8", "--plot", str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_native_solver_chatter_stays_off_stdout(capfd, monkeypatch):
+    """Native code (HiGHS) prints on file descriptor 1; --json output must still parse."""
+    import os
+
+    full = PLANNERS["full-recompute"]
+
+    def noisy(profile, hw, budget_bytes, share=None):
+        os.write(1, b"solver chatter\n")
+        return full(profile, hw, budget_bytes, share=share)
+
+    monkeypatch.setitem(PLANNERS, "noisy", noisy)
+    assert main(["simulate", *SMALL, "--planner", "noisy", "--json"]) == 0
+    cap = capfd.readouterr()
+    assert [r["planner"] for r in json.loads(cap.out)] == ["noisy"]
+    assert "solver chatter" in cap.err
+
+
+def test_a_crashing_planner_marks_its_row(capsys, monkeypatch):
+    def broken(profile, hw, budget_bytes, share=None):
+        raise TypeError("boom")
+
+    monkeypatch.setitem(PLANNERS, "broken", broken)
+    assert main(["simulate", *SMALL, "--planner", "broken", "full-recompute", "--json"]) == 0
+    cap = capsys.readouterr()
+    rows = json.loads(cap.out)
+    assert rows[0]["feasible"] is False and "boom" in rows[0]["error"]
+    assert rows[1]["feasible"] is True
+    assert "internal error in planner 'broken'" in cap.err and "Traceback" not in cap.err
+
+
+def test_no_command_and_help(capsys):
+    assert main([]) == 2
+    assert main(["--help"]) == 0
+    assert "simulate" in capsys.readouterr().out
+
+
+def test_short_source():
+    assert short_source("gpt2-xl") == "Radford et al. 2019 + karpathy/llm.c"
+    assert short_source("not-a-preset") == ""

@@ -1,0 +1,327 @@
+"""Analytic workloads: exact byte and FLOP counts, profile structure, errors, JSON round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slackswap_ds.errors import ProfileError, UnknownNameError
+from slackswap_ds.hardware import load_hardware
+from slackswap_ds.profile import StepProfile
+from slackswap_ds.workloads import (
+    PRESETS,
+    ModelSpec,
+    layer_activation_bytes,
+    layer_forward_flops,
+    transformer_profile,
+    workload,
+    workload_names,
+)
+
+HW = load_hardware("a100-80g-pcie4")
+
+
+@pytest.fixture(scope="module")
+def profiles() -> dict[str, StepProfile]:
+    return {name: workload(name, HW) for name in workload_names()}
+
+
+def korthikanti(s: int, b: int, h: int, a: int) -> int:
+    """Bytes one GPT/BERT layer saves (16-bit, 1-byte masks): s·b·h·(34 + 5·a·s/h)."""
+    return 34 * s * b * h + 5 * a * s * s * b
+
+
+def small_spec(**kw) -> ModelSpec:
+    base = dict(name="tiny", layers=2, hidden=64, heads=4, kv_heads=4, ffn=256, ffn_kind="gelu",
+                norm="layernorm", norm_placement="pre", dropout=0.1, vocab=100, seq=16, micro_batch=2,
+                dtype_bytes=2, flash=False, source="test")
+    base.update(kw)
+    return ModelSpec(**base)
+
+
+def layer_bytes_in_profile(p: StepProfile, layer: int) -> int:
+    return sum(a.bytes for a in p.activations if p.region_of(a) == f"layers.{layer}")
+
+
+# ---- presets -----------------------------------------------------------------------------------
+def test_presets_exist_and_cite_sources():
+    assert {"bert-large", "gpt2-xl", "llama-7b", "llama-70b"} <= set(workload_names())
+    assert workload_names() == sorted(PRESETS)
+    for spec in PRESETS.values():
+        assert len(spec.source) > 80, spec.name
+    assert "DeepLearningExamples" in PRESETS["bert-large"].source
+    assert "llm.c" in PRESETS["gpt2-xl"].source
+    assert "llm-foundry" in PRESETS["llama-7b"].source
+    l70 = PRESETS["llama-70b"]
+    assert (l70.layers, l70.hidden, l70.heads, l70.kv_heads, l70.ffn) == (80, 8192, 64, 8, 28672)
+
+
+# ---- exact saved bytes -------------------------------------------------------------------------
+@pytest.mark.parametrize("name, expected", [("gpt2-xl", 2_988_441_600), ("bert-large", 620_756_992)])
+def test_preset_layer_bytes_match_korthikanti(profiles, name, expected):
+    spec = PRESETS[name]
+    assert korthikanti(spec.seq, spec.micro_batch, spec.hidden, spec.heads) == expected
+    assert layer_activation_bytes(spec) == expected
+    p = profiles[name]
+    assert all(layer_bytes_in_profile(p, l) == expected for l in range(spec.layers))
+
+
+@pytest.mark.parametrize("overrides", [dict(seq=2048, micro_batch=4), dict(seq=128, micro_batch=1)])
+def test_overridden_shapes_match_korthikanti(overrides):
+    for name in ("gpt2-xl", "bert-large"):
+        spec = dataclasses.replace(PRESETS[name], **overrides)
+        assert layer_activation_bytes(spec) == korthikanti(spec.seq, spec.micro_batch, spec.hidden, spec.heads)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    s=st.integers(1, 64), b=st.integers(1, 4), a=st.integers(1, 8), d=st.integers(1, 16),
+    placement=st.sampled_from(["pre", "post"]),
+)
+def test_korthikanti_exact_on_random_shapes(s, b, a, d, placement):
+    h = a * d
+    spec = small_spec(seq=s, micro_batch=b, heads=a, kv_heads=a, hidden=h, ffn=4 * h, norm_placement=placement)
+    assert layer_activation_bytes(spec) == korthikanti(s, b, h, a)
+    assert layer_forward_flops(spec) == 24 * b * s * h * h + 4 * b * s * s * h
+    p = transformer_profile(spec, HW)
+    assert layer_bytes_in_profile(p, 0) == layer_bytes_in_profile(p, 1) == korthikanti(s, b, h, a)
+
+
+def test_flash_removes_exactly_the_s2_terms():
+    spec = PRESETS["gpt2-xl"]
+    s, b, h, a = spec.seq, spec.micro_batch, spec.hidden, spec.heads
+    flash = dataclasses.replace(spec, flash=True)
+    # 34·s·b·h plus the fp32 log-sum-exp 4·b·a·s; the 5·a·s²·b attention-core bytes are gone
+    assert layer_activation_bytes(flash) == 34 * s * b * h + 4 * b * a * s == 892_928_000
+    assert layer_activation_bytes(spec) - layer_activation_bytes(flash) == 5 * a * s * s * b - 4 * b * a * s
+    assert layer_forward_flops(flash) == layer_forward_flops(spec)
+
+
+def test_no_dropout_means_no_dropout_ops_or_masks():
+    spec = dataclasses.replace(PRESETS["gpt2-xl"], dropout=0.0)
+    s, b, h, a = spec.seq, spec.micro_batch, spec.hidden, spec.heads
+    # 34·sbh less the two 1-byte residual-dropout masks; 5·as²b less the mask (1) and dropout out (2)
+    assert layer_activation_bytes(spec) == 32 * s * b * h + 2 * a * s * s * b
+    p = transformer_profile(spec, HW)
+    assert not [o.key for o in p.ops if "dropout" in o.key]
+    assert not [a.key for a in p.activations if "dropout" in a.key or "mask" in a.key]
+    # without attention dropout the softmax output is read by softmax's and by P·V's backward
+    sm = p.by_key["layers.0.attn:softmax.out"]
+    assert [p.ops[u].key for u in sm.users] == ["layers.0.attn:3:softmax", "layers.0.attn:4:av"]
+
+
+def llama_layer_bytes(spec: ModelSpec) -> int:
+    b, s, h, a, f = spec.micro_batch, spec.seq, spec.hidden, spec.heads, spec.ffn
+    n, nkv, nf = b * s * h, b * s * spec.kv_heads * spec.head_dim, b * s * f
+    # x, norm1.out, q, attn.out, norm2.in, norm2.out | k, v | gate, up, silu, product | 2 rstd | lse
+    return 2 * 6 * n + 2 * 2 * nkv + 2 * 4 * nf + 2 * 4 * b * s + 4 * b * a * s
+
+
+@pytest.mark.parametrize("name, expected", [("llama-7b", 1_889_107_968), ("llama-70b", 5_440_143_360)])
+def test_llama_layer_bytes_exact(name, expected):
+    spec = PRESETS[name]
+    assert llama_layer_bytes(spec) == expected == layer_activation_bytes(spec)
+
+
+def test_gqa_shrinks_k_and_v(profiles):
+    p = profiles["llama-70b"]
+    spec = PRESETS["llama-70b"]
+    q, k, v = (p.by_key[f"layers.5.attn:{t}"] for t in "qkv")
+    assert q.bytes == 2 * spec.micro_batch * spec.seq * spec.hidden
+    assert k.bytes == v.bytes == q.bytes * spec.kv_heads // spec.heads
+
+
+def test_fp32_activations_double_all_but_masks_and_fp32_stats():
+    spec = PRESETS["gpt2-xl"]
+    s, b, h, a = spec.seq, spec.micro_batch, spec.hidden, spec.heads
+    fp32 = dataclasses.replace(spec, dtype_bytes=4)
+    masks = 2 * s * b * h + a * s * s * b  # two residual-dropout masks + attention-dropout mask
+    assert layer_activation_bytes(fp32) == 2 * (korthikanti(s, b, h, a) - masks) + masks
+
+
+def test_head_and_embed_tensors(profiles):
+    spec = PRESETS["gpt2-xl"]
+    p = profiles["gpt2-xl"]
+    b, s, h, V = spec.micro_batch, spec.seq, spec.hidden, spec.vocab
+    assert p.by_key["head:ce.logprobs"].bytes == 4 * b * s * V
+    assert p.by_key["head:norm.in"].bytes == p.by_key["head:norm.out"].bytes == 2 * b * s * h
+    assert not p.by_key["head:norm.in"].recomputable
+    mask = p.by_key["embed:dropout.mask"]
+    assert mask.bytes == b * s * h and mask.recomputable and mask.deps == ()
+
+
+# ---- FLOPs and times ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpt2-xl", "bert-large"])
+def test_layer_forward_flops_match_korthikanti(name):
+    spec = PRESETS[name]
+    b, s, h = spec.micro_batch, spec.seq, spec.hidden
+    assert spec.ffn == 4 * h and spec.kv_heads == spec.heads
+    assert layer_forward_flops(spec) == 24 * b * s * h * h + 4 * b * s * s * h
+
+
+def test_swiglu_gqa_flops():
+    spec = PRESETS["llama-70b"]
+    b, s, h, f, kv, d = spec.micro_batch, spec.seq, spec.hidden, spec.ffn, spec.kv_heads, spec.head_dim
+    linear = 2 * b * s * h * (h + 2 * kv * d) + 2 * b * s * h * h + 3 * 2 * b * s * h * f
+    assert layer_forward_flops(spec) == linear + 4 * b * s * s * h
+
+
+def test_matmul_backward_is_twice_forward_when_compute_bound(profiles):
+    spec = PRESETS["gpt2-xl"]
+    b, s, h, V = spec.micro_batch, spec.seq, spec.hidden, spec.vocab
+    ops = {o.key: o for o in profiles["gpt2-xl"].ops}
+    flops = {
+        "layers.7.attn:1:qkv": 2 * b * s * h * 3 * h,
+        "layers.7.attn:6:proj": 2 * b * s * h * h,
+        "layers.7.mlp:1:fc1": 2 * b * s * h * 4 * h,
+        "layers.7.mlp:3:fc2": 2 * b * s * 4 * h * h,
+        "head:1:lm_head": 2 * b * s * h * V,
+    }
+    for key, f in flops.items():
+        op = ops[key]
+        assert op.fwd_s == pytest.approx(f / HW.matmul_flops, rel=1e-12), key  # compute-bound
+        assert op.bwd_s == pytest.approx(2 * op.fwd_s, rel=1e-12), key
+
+
+def test_flash_backward_is_2_5x_forward(profiles):
+    spec = PRESETS["llama-7b"]
+    b, s, h = spec.micro_batch, spec.seq, spec.hidden
+    op = next(o for o in profiles["llama-7b"].ops if o.key == "layers.0.attn:3:flash_attn")
+    assert op.fwd_s == pytest.approx(4 * b * s * s * h / HW.matmul_flops, rel=1e-12)
+    assert op.bwd_s == pytest.approx(2.5 * op.fwd_s, rel=1e-12)
+
+
+def test_softmax_is_hbm_bound_with_explicit_bytes(profiles):
+    spec = PRESETS["gpt2-xl"]
+    N = spec.micro_batch * spec.heads * spec.seq**2
+    op = next(o for o in profiles["gpt2-xl"].ops if o.key == "layers.0.attn:3:softmax")
+    assert op.fwd_s == pytest.approx(2 * N * 2 / HW.hbm_bps, rel=1e-12)  # read x, write y
+    assert op.bwd_s == pytest.approx(3 * N * 2 / HW.hbm_bps, rel=1e-12)  # read y, dy; write dx
+
+
+# ---- structure ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, count", [("gpt2-xl", 1 + 48 * 15 + 3), ("bert-large", 2 + 24 * 15 + 3),
+                                         ("llama-7b", 32 * 15 + 4), ("llama-70b", 80 * 15 + 4)])
+def test_activation_counts(profiles, name, count):
+    assert len(profiles[name].activations) == count
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_identical_layers_have_identical_activation_classes(profiles, name):
+    p = profiles[name]
+    per_layer: dict[str, list] = defaultdict(list)
+    for a in p.activations:
+        r = p.region_of(a)
+        if r.startswith("layers."):
+            per_layer[r].append((a.layer_class, a.bytes, len(a.users), len(a.producers)))
+    assert len(per_layer) == PRESETS[name].layers
+    first = per_layer["layers.0"]
+    assert all(v == first for v in per_layer.values())
+    ops_per_layer: dict[str, list] = defaultdict(list)
+    for o in p.ops:
+        if o.region.startswith("layers."):
+            ops_per_layer[o.region].append((re.sub(r"^layers\.\d+\.", "", o.key), o.fwd_s, o.bwd_s))
+    assert all(v == ops_per_layer["layers.0"] for v in ops_per_layer.values())
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_regions_keys_and_recomputability(profiles, name):
+    p = profiles[name]
+    spec = PRESETS[name]
+    assert p.regions == ("embed", *(f"layers.{l}" for l in range(spec.layers)), "head")
+    for o in p.ops:
+        assert re.fullmatch(r"(embed|head|layers\.\d+\.(attn|mlp)):\d+:[a-z0-9_]+", o.key), o.key
+        assert o.key.split(":")[0].startswith(o.region)
+    for a in p.activations:
+        region = p.region_of(a)
+        assert a.key.startswith(region + (":" if region in ("embed", "head") else ".")), a.key
+        if a.key.endswith(":x") or a.key == "head:norm.in":  # region inputs
+            assert not a.recomputable, a.key
+        else:
+            assert a.recomputable, a.key
+        assert all(p.ops[pr].region == region for pr in a.producers)
+
+
+def test_one_tensor_two_users(profiles):
+    p = profiles["llama-7b"]
+    norm_out = p.by_key["layers.2.mlp:rmsnorm2.out"]
+    assert [p.ops[u].key for u in norm_out.users] == ["layers.2.mlp:1:gate", "layers.2.mlp:3:up"]
+    out = p.by_key["layers.2.attn:attn.out"]
+    assert [p.ops[u].key for u in out.users] == ["layers.2.attn:3:flash_attn", "layers.2.attn:4:proj"]
+
+
+def test_bert_is_post_ln(profiles):
+    p = profiles["bert-large"]
+    keys = [o.key for o in p.ops if o.region == "layers.0"]
+    assert keys[0] == "layers.0.attn:0:qkv" and keys[-1] == "layers.0.mlp:4:ln2"
+    x = p.by_key["layers.0.attn:x"]
+    assert [p.ops[u].key for u in x.users] == ["layers.0.attn:0:qkv"]
+
+
+def test_meta_and_override_name():
+    p = workload("gpt2-xl", "a100-80g-pcie4", seq=2048, micro_batch=4)
+    meta = dict(p.meta)
+    assert meta["source"] == "analytic" and meta["hardware"] == HW.name
+    assert meta["model.seq"] == "2048" and meta["model.micro_batch"] == "4"
+    assert p.name == "gpt2-xl[micro_batch=4,seq=2048]"
+    assert workload("gpt2-xl", HW).name == "gpt2-xl"
+
+
+# ---- errors ------------------------------------------------------------------------------------
+def test_unknown_workload_lists_valid_names():
+    with pytest.raises(UnknownNameError) as e:
+        workload("gpt5", HW)
+    assert isinstance(e.value, KeyError)
+    for name in workload_names():
+        assert name in str(e.value)
+
+
+def test_unknown_override_names_valid_fields():
+    with pytest.raises(ProfileError, match="sequence_length.*valid fields.*micro_batch"):
+        workload("gpt2-xl", HW, sequence_length=2048)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(kv_heads=3), "multiple of kv_heads"),
+    (dict(hidden=65), "divisible by heads"),
+    (dict(seq=0), "seq must be a positive integer"),
+    (dict(micro_batch=2.0), "micro_batch must be a positive integer"),
+    (dict(ffn_kind="relu"), "ffn_kind"),
+    (dict(norm_placement="sandwich"), "norm_placement"),
+    (dict(dropout=1.0), "dropout"),
+    (dict(dtype_bytes=3), "dtype_bytes"),
+])
+def test_invalid_specs_raise_profile_error(bad, match):
+    with pytest.raises(ProfileError, match=match):
+        small_spec(**bad)
+
+
+def test_overrides_are_validated():
+    with pytest.raises(ProfileError, match="multiple of kv_heads"):
+        workload("bert-large", HW, kv_heads=3)
+
+
+# ---- JSON --------------------------------------------------------------------------------------
+def test_json_round_trip_and_stable_digest(profiles, tmp_path):
+    p = profiles["bert-large"]
+    back = StepProfile.from_json(json.loads(json.dumps(p.to_json())))
+    assert back == p and back.digest == p.digest
+    assert workload("bert-large", HW).digest == p.digest
+    path = tmp_path / "bert.json"
+    p.save(path)
+    assert StepProfile.load(path) == p
+    assert workload("bert-large", HW, seq=256).digest != p.digest
+
+
+def test_core_does_not_import_torch():
+    code = "import sys, slackswap_ds.workloads; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
