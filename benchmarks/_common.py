@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
+
+from slackswap_ds.cli import native_stdout_to_stderr
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO_ROOT / "benchmarks" / "results"
@@ -85,23 +85,8 @@ class PlannerTimeout(Exception):
     """A planner call that ran past its wall-clock limit (the benchmark row records it)."""
 
 
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """Send file descriptor 1 to stderr for the duration (native solvers such as HiGHS write
-    diagnostics straight to fd 1, which would otherwise land inside the printed tables)."""
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no fd 1 to redirect
-        yield
-        return
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+# native solvers (HiGHS) write diagnostics straight to fd 1; keep them out of the printed tables
+stdout_to_stderr = native_stdout_to_stderr
 
 
 def _quiet_call(fn, args: tuple, kwargs: dict):
