@@ -18,13 +18,16 @@ Progress (with elapsed time per point) goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import PlannerTimeout, Timer, call_with_timeout, fmt_s, out_dir, parse_floats, parse_names, progress, table, write_json
+from benchmarks._common import (PlannerTimeout, Timer, call_with_timeout, fmt_s, out_dir, parse_floats, parse_names,
+                                progress, table, write_json)
 from slackswap_ds.errors import BudgetInfeasibleError
 from slackswap_ds.hardware import load_hardware
 from slackswap_ds.plan import lower
@@ -43,7 +46,8 @@ ROW_KEYS = ("workload", "budget", "hardware", "planner", "throughput_pct", "step
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/)")
     ap.add_argument("--quick", action="store_true", help="smoke run: budgets 0.3,0.6 and bert-large only")
     ap.add_argument("--workloads", default=None, help=f"comma-separated (default: {','.join(WORKLOADS)})")
@@ -51,11 +55,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--planners", default=None, help=f"comma-separated (default: all: {','.join(PLANNERS)})")
     ap.add_argument("--hardware", default=HARDWARE, help=f"GPU preset (default: {HARDWARE})")
     ap.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    ap.add_argument("--replot", action="store_true",
+                    help="do not simulate: re-print the tables and redraw the PNG from OUT/budget_sweep.json")
     ap.add_argument("--planner-timeout", type=float, default=0.0, metavar="S",
                     help="give up on a planner call after S seconds; the point is then infeasible with the "
                          "reason in 'error' (default 0 = no limit)")
     args = ap.parse_args(argv)
-    args.workloads = parse_names(args.workloads) if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
+    default_workloads = QUICK_WORKLOADS if args.quick else WORKLOADS
+    args.workloads = parse_names(args.workloads) if args.workloads else list(default_workloads)
     args.budgets = parse_floats(args.budgets) if args.budgets else list(QUICK_BUDGETS if args.quick else BUDGETS)
     args.planners = parse_names(args.planners) if args.planners else list(PLANNERS)
     unknown = [p for p in args.planners if p not in PLANNERS]
@@ -146,20 +153,23 @@ def plot(rows: list[dict], workloads: list[str], planners: list[str], path: Path
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, w in zip(axes[0], workloads):
         for k, p in enumerate(planners):
-            pts = sorted((r["budget"], r["throughput_pct"]) for r in rows
-                         if r["workload"] == w and r["planner"] == p and r["feasible"])
-            if pts:  # infeasible budgets are simply absent
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", ms=3.5, label=p, color=colors[k % len(colors)],
+            mine = {r["budget"]: r for r in rows if r["workload"] == w and r["planner"] == p}
+            xs = sorted(mine)
+            # infeasible points are omitted: NaN breaks the line there instead of bridging the gap
+            ys = [mine[x]["throughput_pct"] if mine[x]["feasible"] else math.nan for x in xs]
+            if any(not math.isnan(y) for y in ys):
+                ax.plot(xs, ys, marker="o", ms=3.5, label=p, color=colors[k % len(colors)],
                         **STYLE.get(p, {"lw": 1.3}))
         ax.set_title(w)
         ax.set_xlabel("activation budget (fraction of keep-all)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("throughput (% of keep-all ideal)")
-    handles, labels = {}, {}
+    handles: dict[str, object] = {}
     for ax in axes[0]:
-        for h, l in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(l, h)
-    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 4), frameon=False)
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=min(len(handles), 4),
+               frameon=False)
     hw = rows[0]["hardware"] if rows else ""
     fig.suptitle(f"Simulated throughput vs activation budget on {hw}\n(infeasible points omitted)", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
@@ -168,9 +178,23 @@ def plot(rows: list[dict], workloads: list[str], planners: list[str], path: Path
     return True
 
 
+def replot(out: Path, no_plot: bool) -> int:
+    json_path = out / "budget_sweep.json"
+    rows = json.loads(json_path.read_text())
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    budgets = sorted({r["budget"] for r in rows})
+    planners = list(dict.fromkeys(r["planner"] for r in rows))
+    print(render_tables(rows, workloads, budgets, planners))
+    if not no_plot and plot(rows, workloads, planners, out / "budget_sweep.png"):
+        print(f"\nredrew {out / 'budget_sweep.png'} from {json_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = out_dir(args.out)
+    if args.replot:
+        return replot(out, args.no_plot)
     hw = load_hardware(args.hardware)
     total = len(args.workloads) * len(args.budgets) * len(args.planners)
     rows: list[dict] = []

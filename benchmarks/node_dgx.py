@@ -25,7 +25,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import PlannerTimeout, Timer, call_with_timeout, fmt_s, gb, out_dir, parse_names, progress, table, write_json
+from benchmarks._common import (PlannerTimeout, Timer, call_with_timeout, fmt_s, gb, out_dir, parse_names, progress,
+                                table, write_json)
 from slackswap_ds.errors import BudgetInfeasibleError
 from slackswap_ds.hardware import Node, load_node
 from slackswap_ds.plan import lower
@@ -45,7 +46,8 @@ COPY_STREAMS = ("d2h", "h2d")
 
 ROW_KEYS = (
     "workload", "planner", "mode", "budget", "budget_bytes", "ideal_s", "plan_s", "error",
-    "alone_throughput_pct", "alone_peak_bytes", "alone_feasible", "throughput_pct", "slowest_step_s", "slowest_rank", "compute_stall_s",
+    "alone_throughput_pct", "alone_peak_bytes", "alone_feasible", "throughput_pct", "slowest_step_s",
+    "slowest_rank", "compute_stall_s",
     "peak_bytes", "peak_over_budget_pct", "feasible", "uplink_oversub_d2h", "uplink_oversub_h2d",
     "oversub_time_d2h_s", "oversub_time_h2d_s", "per_switch",
 )
@@ -73,7 +75,8 @@ DEFINITIONS = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/)")
     ap.add_argument("--quick", action="store_true", help="smoke run: gpt2-xl with slackswap only")
     ap.add_argument("--workloads", default=None, help=f"comma-separated (default: {','.join(WORKLOADS)})")
@@ -83,8 +86,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--planner-timeout", type=float, default=PLANNER_TIMEOUT_S, metavar="S",
                     help=f"give up on a planner call after S seconds (default {PLANNER_TIMEOUT_S:g}; 0 = no limit)")
     args = ap.parse_args(argv)
-    args.workloads = parse_names(args.workloads) if args.workloads else list(QUICK_WORKLOADS if args.quick else WORKLOADS)
-    args.planners = parse_names(args.planners) if args.planners else list(QUICK_PLANNERS if args.quick else PLANNER_NAMES)
+    default_workloads = QUICK_WORKLOADS if args.quick else WORKLOADS
+    default_planners = QUICK_PLANNERS if args.quick else PLANNER_NAMES
+    args.workloads = parse_names(args.workloads) if args.workloads else list(default_workloads)
+    args.planners = parse_names(args.planners) if args.planners else list(default_planners)
     unknown = [p for p in args.planners if p not in PLANNERS]
     if unknown:
         ap.error(f"unknown planner(s) {unknown}; valid: {', '.join(PLANNERS)}")
@@ -179,8 +184,8 @@ def render(rows: list[dict], node: Node, budget: float) -> str:
         f"H2D {node.gpu.h2d_bps / 1e9:.1f} GB/s",
         "",
     ]
-    t1 = ["workload", "planner", "mode", "alone %", "alone mem", "node %", "slowest s", "stall s", "peak GB", "budget GB",
-          "vs budget", "plan s"]
+    t1 = ["workload", "planner", "mode", "alone %", "alone mem", "node %", "slowest s", "stall s", "peak GB",
+          "budget GB", "vs budget", "plan s"]
     t2 = ["workload", "planner", "mode", "oversub d2h", "oversub h2d", ">1 d2h s", ">1 h2d s", "% of step d2h/h2d"]
     b1, b2 = [], []
     for r in rows:
@@ -190,7 +195,8 @@ def render(rows: list[dict], node: Node, budget: float) -> str:
             b2.append(key + ["-"] * 5)
             continue
         b1.append(key + [
-            f"{r['alone_throughput_pct']:.1f}", "ok" if r["alone_feasible"] else "OVER", f"{r['throughput_pct']:.1f}", f"{r['slowest_step_s']:.4f}",
+            f"{r['alone_throughput_pct']:.1f}", "ok" if r["alone_feasible"] else "OVER",
+            f"{r['throughput_pct']:.1f}", f"{r['slowest_step_s']:.4f}",
             f"{r['compute_stall_s']:.4f}", gb(r["peak_bytes"]), gb(r["budget_bytes"]),
             ("ok " if r["feasible"] else "OVER ") + f"{r['peak_over_budget_pct']:+.1f}%", f"{r['plan_s']:.2f}",
         ])

@@ -52,7 +52,8 @@ ROW_KEYS = ("name", "what", "workload", "planner", "budget", "hardware", "repeat
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 repeats")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 5, --quick 2)")

@@ -38,9 +38,11 @@ def test_budget_sweep_quick(tmp_path, capsys):
     # keep-all can never fit a budget below 1; slackswap must fit 0.6
     assert not any(r["feasible"] for r in rows if r["planner"] == "keep-all")
     assert any(r["feasible"] for r in rows if r["planner"] == "slackswap" and r["budget"] == 0.6)
+    assert "slackswap" in capsys.readouterr().out
+    assert budget_sweep.main(["--replot", "--out", str(tmp_path), "--no-plot"]) == 0  # tables from the JSON
+    assert "recompute-knapsack" in capsys.readouterr().out
     pytest.importorskip("matplotlib")
     assert (tmp_path / "budget_sweep.png").stat().st_size > 0
-    assert "slackswap" in capsys.readouterr().out
 
 
 def test_node_dgx_quick(tmp_path, capsys):
