@@ -56,7 +56,7 @@ def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, shar
     triggers = alap_triggers(profile, dec, hw, share)
     plan = Plan.build(profile, dec, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner="offload-all",
                       prefetch=triggers, blocking=True)
-    res = simulate(lower(profile, plan), hw, budget_bytes=budget_bytes, record=False)
+    res = simulate(lower(profile, plan), share.limit(hw), budget_bytes=budget_bytes, record=False)
     if not res.feasible:
         raise BudgetInfeasibleError(f"offload-all peaks at {res.peak_bytes:,} B, over the budget of {budget_bytes:,} B")
     return plan

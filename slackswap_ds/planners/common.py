@@ -17,13 +17,14 @@ its H2D copies under the backward of the region after it (which runs just before
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 from functools import cached_property
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
-from ..plan import END_OF_FORWARD, Decision, Plan, lower
+from ..plan import END_OF_FORWARD, Decision, Plan, Schedule, lower
 from ..profile import StepProfile
 from ..simulator import SimResult, simulate
 
@@ -44,6 +45,15 @@ class Share:
         link = node.switch_uplink_bps / node.gpus_per_switch
         pool = host_pool_bytes if host_pool_bytes is not None else int(node.host_bytes // node.gpus)
         return cls(min(node.gpu.d2h_bps, link), min(node.gpu.h2d_bps, link), pool)
+
+    def limit(self, hw: Hardware) -> Hardware:
+        """`hw` as this rank sees it: every copy rate capped by its share of the link. Planners
+        check their plans on this, so a plan made for a shared link fits when the link is shared."""
+        if self.d2h_bps is None and self.h2d_bps is None:
+            return hw
+        d2h, h2d = self.d2h(hw), self.h2d(hw)
+        return dataclasses.replace(hw, d2h_bps=d2h, h2d_bps=h2d, duplex_d2h_bps=min(hw.duplex_d2h_bps, d2h),
+                                   duplex_h2d_bps=min(hw.duplex_h2d_bps, h2d))
 
     def d2h(self, hw: Hardware) -> float:
         return hw.d2h_bps if self.d2h_bps is None else min(hw.d2h_bps, self.d2h_bps)
@@ -122,16 +132,17 @@ class RegionModel:
 
 
 def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share,
-                  lead: int = 0) -> dict[str, str]:
+                  lead: int = 0, draft: Schedule | None = None) -> dict[str, str]:
     """Prefetch triggers as late as possible: the H2D queue, run backwards from each swapped
     tensor's need time on the stall-free compute timeline, gives each copy its latest start; the
     trigger is the last backward op that ends by then. `lead` moves every trigger that many
-    backward ops earlier (a safety margin the repair loop can add)."""
-    swapped = [k for k, d in decisions.items() if d is Decision.SWAP]
-    if not swapped:
+    backward ops earlier (a safety margin the repair loop can add). `draft`: the decisions'
+    schedule, if the caller has lowered it already (triggers do not change the compute stream)."""
+    if not any(d is Decision.SWAP for d in decisions.values()):
         return {}
-    draft = Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft")
-    sch = lower(profile, draft)
+    if draft is None:
+        draft = lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft"))
+    sch = draft
     # Stall-free compute timeline: start/end of each compute instruction.
     t, start, bwd_end = 0.0, {}, []  # bwd_end: (end time, op index) in backward order
     op_index = {o.key: i for i, o in enumerate(profile.ops)}
@@ -152,7 +163,8 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
             for w in ins.waits:
                 k = sch.instrs[w].name
                 need_time[k] = min(need_time[k], start[i])
-    order = sorted(swapped, key=lambda k: -need_time[k])
+    # Walk the H2D queue from its end, in exactly the lowering's order (copies run FIFO).
+    order = [sch.instrs[i].name for i in reversed(sch.stream("h2d"))]
     rate = share.h2d(hw)
     triggers, next_start = {}, math.inf
     ends = [e for e, _ in bwd_end]
@@ -182,10 +194,15 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
     does not stall compute), or (None, overshoot in bytes of the latest margin tried)."""
     best: tuple[float, Plan] | None = None
     overshoot = 0
-    for lead in LEADS if any(d is Decision.SWAP for d in decisions.values()) else (0,):
+    rank_hw = share.limit(hw)
+    draft = None
+    if any(d is Decision.SWAP for d in decisions.values()):
+        draft = lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft"))
+    for lead in LEADS if draft is not None else (0,):
+        triggers = alap_triggers(profile, decisions, hw, share, lead=lead, draft=draft)
         plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
-                          planner_version=version, prefetch=alap_triggers(profile, decisions, hw, share, lead=lead))
-        res = simulate_plan(profile, plan, hw)
+                          planner_version=version, prefetch=triggers)
+        res = simulate_plan(profile, plan, rank_hw)
         if not res.feasible:
             overshoot = overshoot or res.peak_bytes - budget_bytes
             continue

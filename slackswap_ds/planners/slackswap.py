@@ -55,8 +55,9 @@ class _State:
         p = model.profile
         self.dec = keep_all(p)
         n = len(model.regions)
-        self.kept = list(model.bytes)
-        self.swapped = [0] * n
+        self.bytes_np = np.array(model.bytes, dtype=np.int64)
+        self.kept = self.bytes_np.copy()
+        self.swapped = np.zeros(n, dtype=np.int64)
         # D2H copies queue in save order and must drain before forward ends. A tensor saved by op i
         # can copy under the forward of ops i+1..; for every k, copies released at or after op k
         # must fit under the forward of ops k.. (suffix windows at op granularity).
@@ -69,13 +70,11 @@ class _State:
         self.swap_tried = False
 
     def peak(self) -> tuple[int, int]:
-        best, where, below = -1, 0, 0
-        for r, b in enumerate(self.m.bytes):
-            m = below + b + (self.swapped[r - 1] if r else 0)
-            if m > best:
-                best, where = m, r
-            below += self.kept[r]
-        return best, where
+        """(estimated peak M, region where it occurs): M(r) = kept(<r) + bytes(r) + swapped(r-1)."""
+        m = self.bytes_np.copy()
+        m[1:] += np.cumsum(self.kept)[:-1] + self.swapped[:-1]
+        where = int(np.argmax(m))
+        return int(m[where]), where
 
     def _rec_cost(self, a) -> float:
         r = self.m.region_of[a.key]
