@@ -99,20 +99,29 @@ class _State:
                 continue
             if self.pool_left is not None and a.bytes > self.pool_left:
                 continue
+            before = self.peak()[0]
+            self.kept[r] -= a.bytes
+            self.swapped[r] += a.bytes
+            if self.peak()[0] > max(before, target):
+                # its prefetch during the next region's backward would raise the peak: keep it
+                self.kept[r] += a.bytes
+                self.swapped[r] -= a.bytes
+                continue
             self.dec[a.key] = Decision.SWAP
             self.d2h_slack[: release + 1] -= out
             self.h2d_left[r] -= back
-            self.kept[r] -= a.bytes
-            self.swapped[r] += a.bytes
             if self.pool_left is not None:
                 self.pool_left -= a.bytes
 
     def recompute_until(self, target: int) -> None:
+        """Recompute the cheapest tensors per byte until the model peak M(r*) meets `target`.
+
+        A kept tensor of region r lowers M(r*) when r < r*; a swapped one only lowers the
+        prefetch term of M(r+1), so it is a candidate when r* = r + 1."""
         m = self.m
-        heap = []
-        for a in m.profile.activations:
-            if a.recomputable and a.bytes > 0 and self.dec[a.key] is Decision.KEEP:
-                heap.append((self._rec_cost(a) / a.bytes, m.region_of[a.key], a.key))
+        candidates = (Decision.KEEP, Decision.SWAP)
+        heap = [(self._rec_cost(a) / a.bytes, m.region_of[a.key], a.key) for a in m.profile.activations
+                if a.recomputable and a.bytes > 0 and self.dec[a.key] in candidates]
         heapq.heapify(heap)
         deferred = []
         while True:
@@ -122,24 +131,20 @@ class _State:
             while heap:
                 cost, r, key = heapq.heappop(heap)
                 a = m.profile.by_key[key]
-                if self.dec[key] is not Decision.KEEP:
+                d = self.dec[key]
+                if d not in candidates:
                     continue
-                if r >= where:  # dropping here does not lower M(where)
-                    deferred.append((cost, r, key))
+                if (d is Decision.KEEP and r >= where) or (d is Decision.SWAP and r != where - 1):
+                    deferred.append((cost, r, key))  # would not lower M(where)
                     continue
                 now = self._rec_cost(a) / a.bytes
-                if now > cost + 1e-18:  # cost went stale? (it can only fall) -> retry later
+                if abs(now - cost) > 1e-18:  # stale: region-mates made it cheaper since
                     heapq.heappush(heap, (now, r, key))
                     continue
-                if now < cost - 1e-18:
-                    heapq.heappush(heap, (now, r, key))
-                    continue
-                self.dec[key] = Decision.RECOMPUTE
-                self.kept[r] -= a.bytes
-                self.rerun[r].update(a.producers)
-                # producers now shared make its region-mates cheaper
+                self._recompute(a, r)
+                # producers now re-run make its region-mates cheaper
                 for b in m.profile.region_acts[m.regions[r]]:
-                    if self.dec[b.key] is Decision.KEEP and b.recomputable and b.bytes > 0:
+                    if self.dec[b.key] in candidates and b.recomputable and b.bytes > 0:
                         heapq.heappush(heap, (self._rec_cost(b) / b.bytes, r, b.key))
                 break
             else:
@@ -150,3 +155,16 @@ class _State:
             for item in deferred:
                 heapq.heappush(heap, item)
             deferred.clear()
+
+    def _recompute(self, a, r: int) -> None:
+        if self.dec[a.key] is Decision.SWAP:  # give its slack and pool bytes back
+            m = self.m
+            self.swapped[r] -= a.bytes
+            self.d2h_slack[: a.saved_at + 2] += m.copy_s(a.bytes, m.d2h_bps)
+            self.h2d_left[r] += m.copy_s(a.bytes, m.h2d_bps)
+            if self.pool_left is not None:
+                self.pool_left += a.bytes
+        else:
+            self.kept[r] -= a.bytes
+        self.dec[a.key] = Decision.RECOMPUTE
+        self.rerun[r].update(a.producers)

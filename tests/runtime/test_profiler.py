@@ -1,0 +1,119 @@
+"""profile_step on real models: keys, bytes and regeneration facts of every saved tensor."""
+
+import pytest
+import torch
+from torch import nn
+
+from slackswap_ds.planners import PLANNERS, resolve_budget
+from slackswap_ds.plan import lower
+from slackswap_ds.runtime.profiler import profile_step
+from slackswap_ds.simulator import simulate
+
+transformers = pytest.importorskip("transformers")
+
+
+def lm_step(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.loss
+
+
+def tiny(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg).train()
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                       max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return transformers.LlamaForCausalLM(cfg).train()
+    cfg = transformers.BertConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                  vocab_size=128, max_position_embeddings=64, pad_token_id=0)
+    return transformers.BertForMaskedLM(cfg).train()
+
+
+def saved_storage_bytes(model, step, batch) -> int:
+    """Independent count: bytes of distinct storages saved for backward, parameters and buffers
+    excluded."""
+    params = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(model, batch)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_profile_counts_every_saved_storage_once_and_no_parameters(kind):
+    model = tiny(kind)
+    ids = torch.randint(1, 128, (2, 16))
+    profile = profile_step(model, lm_step, ids, warmup=0)
+    assert profile.total_bytes == saved_storage_bytes(model, lm_step, ids)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert profile.total_bytes > 0 and params > 0
+    assert len({a.key for a in profile.activations}) == len(profile.activations)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "bert"])
+def test_identical_layers_have_identical_activations(kind):
+    profile = profile_step(tiny(kind), lm_step, torch.randint(1, 128, (2, 16)), warmup=0)
+    layers = [r for r in profile.regions if r not in ("pre", "post")]
+    assert len(layers) == 3
+    shapes = [[(a.layer_class, a.bytes, a.recomputable) for a in profile.region_acts[r]] for r in layers]
+    assert shapes[1] == shapes[2]
+    # the first layer also owns tensors every layer saves (Llama's rotary tables): its first saver
+    extra = [s for s in shapes[0] if s not in shapes[1]]
+    assert [s for s in shapes[0] if s not in extra] == shapes[1]
+    assert all(":input." in cls and not recomputable for cls, _, recomputable in extra)
+    # each layer's input hidden state is saved and cannot be recomputed inside the layer
+    assert all(not profile.region_acts[r][0].recomputable for r in layers)
+
+
+def test_keys_are_stable_across_steps():
+    model = tiny("gpt2")
+    ids = torch.randint(1, 128, (2, 16))
+    first = profile_step(model, lm_step, ids, warmup=0)
+    second = profile_step(model, lm_step, ids, warmup=0)
+    assert [a.key for a in first.activations] == [a.key for a in second.activations]
+    assert [o.key for o in first.ops] == [o.key for o in second.ops]
+
+
+class TwoSaves(nn.Module):
+    """h = x @ w is saved by sin (its input) and by mul (an input): one activation, two users."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.layers = nn.ModuleList([nn.Identity()])
+
+    def forward(self, x):
+        h = x @ self.w
+        return (h.sin() * h).sum()
+
+
+def test_tensor_saved_twice_is_one_activation_with_two_users():
+    model = TwoSaves()
+    x = torch.randn(4, 8, requires_grad=True)
+    profile = profile_step(model, lambda m, b: m(b).backward(), x, warmup=0)
+    [h] = [a for a in profile.activations if a.key.endswith(":mm")]
+    assert h.bytes == 4 * 8 * 4
+    names = [profile.ops[u].key.rsplit(":", 1)[1] for u in h.users]
+    assert names == ["sin", "mul"]
+    assert profile.ops[h.producers[0]].key.endswith(":mm")
+    assert h.deps == ("pre:input.0",)  # mm saved x (for w's gradient): regenerating h reads it
+
+
+def test_measured_profile_can_be_planned_and_simulated(a100):
+    profile = profile_step(tiny("gpt2"), lm_step, torch.randint(1, 128, (2, 16)), warmup=0)
+    budget = resolve_budget(0.5, profile)
+    plan = PLANNERS["slackswap"](profile, a100, budget)
+    res = simulate(lower(profile, plan), a100, budget_bytes=budget)
+    assert res.feasible and res.step_s > 0
