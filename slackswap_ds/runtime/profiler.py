@@ -60,10 +60,11 @@ def build_profile(tracer: StepTracer, name: str) -> StepProfile:
 
 def _activation_keys(tracer: StepTracer, saved: list[TracedStorage], region_of: dict[int, str]) -> dict[int, str]:
     """``<region>:<op index>:<op>`` of the writer for storages made in their region (``.<n>`` for
-    an op's n-th output beyond the first), ``<region>:input.<n>`` for the others."""
+    an op's n-th output beyond the first), ``<region>:input.<n>`` for the others, numbered in the
+    order they are first saved (the executor names them the same way as it packs them)."""
     keys: dict[int, str] = {}
     inputs: dict[str, int] = {}
-    for st in sorted(saved, key=lambda st: (min(st.saved_by), st.sid)):
+    for st in sorted(saved, key=lambda st: tracer._pack_order.get(st.sid, st.sid)):
         region = region_of[st.sid]
         writer = tracer.ops[st.producer] if st.producer is not None else None
         if writer is not None and writer.region == region:
@@ -86,6 +87,8 @@ def _regeneration(tracer: StepTracer, st: TracedStorage, region_of: dict[int, st
 
     if st.producer is None or not in_region(st.writers) or max(st.writers) > min(st.saved_by):
         return (), ()
+    if region not in tracer.layer_paths:
+        return (), ()  # only layers can be re-run: outside them a tensor is kept or swapped
     producers: set[int] = set()
     deps: set[str] = set()
     todo = list(st.writers)

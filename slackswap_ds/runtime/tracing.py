@@ -88,6 +88,7 @@ class StepTracer(TorchDispatchMode):
         self.model = model
         self.timer = timer
         self.layers = find_layers(model)
+        self.layer_paths = {path for path, _ in self.layers}
         self.ops: list[TracedOp] = []
         self.storages: dict[int, TracedStorage] = {}
         self._ptr_to_sid: dict[int, int] = {}
@@ -103,12 +104,15 @@ class StepTracer(TorchDispatchMode):
         self._backward_started = False
         self._collected = False
         self._handles: list = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._pack_order: dict[int, int] = {}  # storage id -> order of its first pack
+        self._started = False  # forward ops count from the model's own forward on
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     # ---- context ---------------------------------------------------------------------------
     def __enter__(self):
         self._param_ptrs = {_storage_ptr(p) for p in self.model.parameters()}
         self._param_ptrs |= {_storage_ptr(b) for b in self.model.buffers()}
+        self._handles.append(self.model.register_forward_pre_hook(self._enter_model))
         for path, layer in self.layers:
             self._handles.append(layer.register_forward_pre_hook(self._enter_layer(path)))
             self._handles.append(layer.register_forward_hook(self._leave_layer))
@@ -131,6 +135,10 @@ class StepTracer(TorchDispatchMode):
             self._resolve_pending(None)
             self._bind_last_node()
             self._collect_saves()
+
+    def _enter_model(self, module, args):
+        if not _in_backward():
+            self._started = True
 
     def _enter_layer(self, path: str):
         def hook(module, args):
@@ -161,13 +169,23 @@ class StepTracer(TorchDispatchMode):
 
     # ---- saved tensors -----------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        if _in_backward() or self._backward_started or t.device.type == "meta":
-            return t
+        sid = self._note_save(t)
+        return t
+
+    def _unpack(self, packed):
+        return packed
+
+    def _note_save(self, t: torch.Tensor) -> int | None:
+        """Record a save of `t` by this step's forward; its storage id, or None if not an activation."""
+        if _in_backward() or self._backward_started or not self._started or t.device.type == "meta":
+            return None
         ptr = _storage_ptr(t)
         if ptr in self._param_ptrs or isinstance(t, nn.Parameter):
-            return t
-        self._pending_saves.append(self._sid_of(t))
-        return t
+            return None
+        sid = self._sid_of(t)
+        self._pending_saves.append(sid)
+        self._pack_order.setdefault(sid, len(self._pack_order))
+        return sid
 
     def _resolve_pending(self, next_op: TracedOp | None) -> None:
         """Remember the op that ran after each pack, for saves no autograd node reports."""
@@ -228,7 +246,7 @@ class StepTracer(TorchDispatchMode):
             if op is not None:
                 self.ops[op].bwd_s += self.timer() - start
             return out
-        if self._backward_started or func.is_view or func.overloadpacket.__name__ in _FREE_OPS:
+        if not self._started or self._backward_started or func.is_view or func.overloadpacket.__name__ in _FREE_OPS:
             return func(*args, **kwargs)
         self._bind_last_node()
         region = self._region
