@@ -1,0 +1,36 @@
+"""slackswap_ds: per-activation keep / swap / recompute plans for DeepSpeed training.
+
+The planning core (profiles, hardware, planners, simulator) imports no torch; the runtime names
+below are imported on first use.
+"""
+
+from __future__ import annotations
+
+from .hardware import Hardware, Node, load_hardware, load_node
+from .plan import Decision, Plan
+from .profile import StepProfile
+
+__all__ = ["Decision", "Hardware", "Node", "Plan", "StepProfile", "apply", "load_hardware", "load_node",
+           "plan", "profile_step"]
+
+
+def plan(profile: StepProfile, hardware: str | Hardware = "a100-80g-pcie4", budget: float | int = 0.5, *,
+         planner: str = "slackswap", share=None) -> Plan:
+    """A plan for `profile` on `hardware` (preset name, path or Hardware) within `budget` (a
+    fraction of the keep-all peak, or bytes)."""
+    from .planners import PRIVATE, get_planner, resolve_budget
+
+    hw = load_hardware(hardware) if not isinstance(hardware, Hardware) else hardware
+    return get_planner(planner)(profile, hw, resolve_budget(budget, profile), share or PRIVATE)
+
+
+def __getattr__(name: str):
+    if name == "profile_step":
+        from .runtime.profiler import profile_step
+
+        return profile_step
+    if name == "apply":
+        from .runtime.executor import apply
+
+        return apply
+    raise AttributeError(f"module 'slackswap_ds' has no attribute {name!r}")

@@ -18,8 +18,11 @@ from .milp import solve_region_milp
 ATTENTION_CORE_OPS = ("scores", "softmax", "attn_dropout")
 
 
+NON_LAYER_REGIONS = {"embed", "head", "pre", "post"}  # analytic and measured names
+
+
 def _is_layer(region: str) -> bool:
-    return region.startswith("layers.")
+    return region not in NON_LAYER_REGIONS and not region.startswith("between.")
 
 
 def plan_keep_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:

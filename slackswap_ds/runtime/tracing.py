@@ -282,4 +282,5 @@ def _reads_only_shapes(name: str) -> bool:
 
 
 # Ops that move no data or only describe tensors: not compute ops.
-_FREE_OPS = {"detach", "alias", "lift_fresh", "_to_copy_meta", "sym_size", "sym_stride", "sym_numel", "is_same_size"}
+_FREE_OPS = {"detach", "alias", "lift_fresh", "sym_size", "sym_stride", "sym_numel", "is_same_size",
+             "_unsafe_view", "_reshape_alias"}  # the last two alias their input: views in all but name

@@ -1,0 +1,162 @@
+"""Steps under any plan give the unmodified model's loss and gradients, bit for bit."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import slackswap_ds as ss
+from slackswap_ds.errors import BudgetInfeasibleError, PlanError
+from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.planners.common import keep_all
+from slackswap_ds.runtime.device import Device
+from slackswap_ds.runtime.host_pool import HostPool
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH, VOCAB = 16, 2, 128
+
+
+def tiny(kind: str, dtype=torch.float32):
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=6, n_embd=64, n_head=4, n_positions=64, vocab_size=VOCAB,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    elif kind == "llama":
+        cfg = transformers.LlamaConfig(num_hidden_layers=6, hidden_size=64, intermediate_size=128,
+                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                                       max_position_embeddings=64, attention_dropout=0.1,
+                                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.BertConfig(num_hidden_layers=6, hidden_size=64, intermediate_size=128,
+                                      num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                                      pad_token_id=0)
+        model = transformers.BertForMaskedLM(cfg)
+    return model.to(dtype).train()
+
+
+def step(model, ids):
+    kwargs = {} if isinstance(model, transformers.BertForMaskedLM) else {"use_cache": False}
+    out = model(input_ids=ids, labels=ids, **kwargs)
+    out.loss.backward()
+    return out.loss
+
+
+def run(model, ids, ctx=None, seed=1):
+    """One step (dropout on) from a fixed RNG state; loss and every gradient."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if ctx is None:
+        loss = step(model, ids)
+    else:
+        with ctx:
+            loss = step(model, ids)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_exact(a, b):
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name in grads_a:
+        assert torch.equal(grads_a[name], grads_b[name]), name
+
+
+def recompute_ops(profile, plan) -> list[str]:
+    return sorted({profile.ops[p].key for a in profile.activations if plan.decision[a.key] is Decision.RECOMPUTE
+                   for p in a.producers})
+
+
+@pytest.fixture(scope="module", params=["gpt2", "bert", "llama"])
+def setup(request):
+    model = tiny(request.param)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    return model, ids, profile, run(model, ids)
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.5, 0.75])
+def test_planned_steps_are_exact_and_within_budget(setup, budget):
+    model, ids, profile, reference = setup
+    try:
+        plan = ss.plan(profile, "a100-80g-pcie4", budget)
+    except BudgetInfeasibleError:
+        pytest.skip(f"no plan at {budget}")
+    ex = ss.apply(model, plan, profile)
+    result = run(model, ids, ex)
+    assert_exact(result, reference)
+    last = ex.stats.last_step
+    assert last.peak_device_bytes <= plan.budget_bytes
+    assert sorted(last.recomputed_ops) == recompute_ops(profile, plan)
+    assert last.fallbacks == {}
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**16))
+def test_random_plans_are_exact(setup, seed):
+    model, ids, profile, reference = setup
+    rng = random.Random(seed)
+    dec = {a.key: rng.choice([Decision.KEEP, Decision.SWAP] + [Decision.RECOMPUTE] * a.recomputable)
+           for a in profile.activations}
+    plan = Plan.build(profile, dec, budget_bytes=profile.total_bytes, hardware_digest="any", planner="random")
+    ex = ss.apply(model, plan, profile)
+    assert_exact(run(model, ids, ex), reference)
+    assert sorted(ex.stats.last_step.recomputed_ops) == recompute_ops(profile, plan)
+
+
+def test_bf16_steps_are_exact():
+    model = tiny("gpt2", torch.bfloat16)
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    reference = run(model, ids)
+    for name in ("slackswap", "full-recompute", "offload-all"):
+        plan = ss.plan(profile, "a100-80g-pcie4", 0.5, planner=name)
+        assert_exact(run(model, ids, ss.apply(model, plan, profile)), reference)
+
+
+def swap_everything(profile):
+    return Plan.build(profile, {a.key: Decision.SWAP for a in profile.activations}, budget_bytes=0,
+                      hardware_digest="any", planner="test")
+
+
+def test_no_host_allocation_after_warm_up():
+    model = tiny("gpt2")
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    pool = HostPool(None, Device.current())
+    ex = ss.apply(model, swap_everything(profile), profile, pool=pool)
+    with ex:
+        for _ in range(2):
+            step(model, ids)
+        warm = pool.stats().allocations
+        for _ in range(20):
+            step(model, ids)
+    assert warm > 0 and pool.stats().allocations == warm
+    assert ex.stats.steps == 22 and ex.stats.last_step.swapped_bytes == profile.total_bytes
+
+
+def test_exhausted_host_pool_keeps_tensors_and_says_so():
+    model = tiny("gpt2")
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    reference = run(model, ids)
+    ex = ss.apply(model, swap_everything(profile), profile, pool=HostPool(0, Device.current()))
+    assert_exact(run(model, ids, ex), reference)
+    last = ex.stats.last_step
+    assert last.fallbacks == {"host pool exhausted: kept": len(profile.activations)}
+    assert last.kept_bytes == profile.total_bytes and last.swapped_bytes == 0
+
+
+def test_plan_for_another_profile_is_refused():
+    model = tiny("gpt2")
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    other = ss.profile_step(model, step, torch.randint(1, VOCAB, (BATCH, SEQ * 2)), warmup=0)
+    plan = Plan.build(other, keep_all(other), budget_bytes=1, hardware_digest="any", planner="test")
+    with pytest.raises(PlanError, match="plan again for this profile"):
+        ss.apply(model, plan, profile)
