@@ -96,3 +96,23 @@ def test_planner_speed_quick(tmp_path, capsys):
         assert r["passed"] == (r["median_s"] <= r["target_s"])
     out = capsys.readouterr().out
     assert "PASS" in out or "FAIL" in out
+
+
+def test_gpu_validate_skips_cleanly_without_cuda(capsys):
+    import torch
+
+    from benchmarks import gpu_validate
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: run the script itself")
+    assert gpu_validate.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out
+
+
+def test_runtime_cpu_prints_ratios(capsys):
+    from benchmarks import runtime_cpu
+
+    assert runtime_cpu.main(["--layers", "2", "--hidden", "64", "--seq", "16", "--batch", "2", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    for row in ("unmodified", "keep-all plan", "swap-all", "recompute-all", "slackswap @0.5"):
+        assert row in out
