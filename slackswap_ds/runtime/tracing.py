@@ -257,6 +257,10 @@ class StepTracer(TorchDispatchMode):
         if not _reads_only_shapes(op.name):
             op.reads = [self._sid_of(t) for t in inputs if t.device.type != "meta"]
         self._resolve_pending(op)
+        # Under another saved-tensor hook (a checkpoint inside the model) this op's saves are not
+        # ours: never ask its autograd node for them (that would unpack through the other hook).
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        foreign = top is None or getattr(top[0], "__func__", top[0]) is not getattr(self._pack, "__func__", None)
         start = self.timer()
         out = func(*args, **kwargs)
         op.fwd_s = self.timer() - start
@@ -271,7 +275,8 @@ class StepTracer(TorchDispatchMode):
             else:
                 sid = self._new_storage(t, op.index)
             op.writes.append(sid)
-            self._last_outputs.append(t)
+            if not foreign:
+                self._last_outputs.append(t)
         self.ops.append(op)
         return out
 

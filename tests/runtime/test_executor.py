@@ -160,3 +160,18 @@ def test_plan_for_another_profile_is_refused():
     plan = Plan.build(other, keep_all(other), budget_bytes=1, hardware_digest="any", planner="test")
     with pytest.raises(PlanError, match="plan again for this profile"):
         ss.apply(model, plan, profile)
+
+
+def test_model_that_checkpoints_inside_runs_exactly_under_a_swap_plan():
+    """HF gradient checkpointing (torch.utils.checkpoint, non-reentrant) inside the model: the
+    checkpoint keeps its own saves; what reaches SlackSwap (layer inputs, head) is swapped exactly."""
+    model = tiny("gpt2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    layer_inputs = [a for a in profile.activations if a.key.endswith(":input.0") and ".h." in a.key]
+    assert len(layer_inputs) == 6
+    reference = run(model, ids)
+    ex = ss.apply(model, swap_everything(profile), profile)
+    assert_exact(run(model, ids, ex), reference)
+    assert ex.stats.last_step.swapped_bytes == profile.total_bytes and ex.stats.last_step.fallbacks == {}
