@@ -45,6 +45,13 @@ class Hardware:
     description: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
+    @classmethod
+    def instant_copies(cls) -> "Hardware":
+        """Copies that take no time: how the CPU accelerator's synchronous copy path looks to a
+        Schedule. Simulating a plan on it predicts the runtime's own peak accounting on CPU."""
+        return cls("instant-copies", 1.0, 1.0, math.inf, math.inf, math.inf, math.inf, math.inf, math.inf, 0.0,
+                   description="zero-time copies (CPU accelerator, synchronous path)")
+
     @property
     def matmul_flops(self) -> float:
         return self.peak_flops * self.matmul_efficiency

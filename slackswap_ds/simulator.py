@@ -189,6 +189,8 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
                             finished = r.bytes_left <= 0
                         else:
                             finished = False
+                    elif r.rate == math.inf:  # an instant copy (inf * 0 would be nan)
+                        finished = True
                     else:
                         r.bytes_left -= r.rate * dt
                         finished = r.bytes_left <= tol * r.rate + 1e-6

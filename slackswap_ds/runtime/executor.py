@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..errors import PlanError
-from ..plan import Decision, Plan
+from ..plan import END_OF_FORWARD, Decision, Plan
 from ..profile import StepProfile
 from .device import Device
 from .host_pool import HostPool
@@ -123,6 +123,12 @@ class Executor(StepTracer):
                 self._rerun.setdefault(region, set()).update(
                     int(profile.ops[p].key.rsplit(":", 2)[1]) for p in a.producers)
                 self._replay_deps.update(d for d in a.deps if plan.decision.get(d) is not Decision.RECOMPUTE)
+        # prefetch: op index -> swapped keys to copy in once that op's backward has run
+        op_index = {o.key: i for i, o in enumerate(profile.ops)}
+        self._triggers: dict[int, list[str]] = {}
+        for key, trig in plan.prefetch:
+            at = len(profile.ops) if trig == END_OF_FORWARD else op_index[trig]
+            self._triggers.setdefault(at, []).append(key)
         self._reset_step()
 
     # ---- step lifecycle ----------------------------------------------------------------------
@@ -140,6 +146,7 @@ class Executor(StepTracer):
         self._out_meta: dict[tuple[str, int], list[tuple]] = {}
         self._replayed: set[str] = set()
         self._pins: dict[str, list[_Entry]] = {}
+        self._pending_triggers = sorted(self._triggers, reverse=True)
         self._replaying = False
         self._internal = False
         self._resident = 0
@@ -203,6 +210,8 @@ class Executor(StepTracer):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self._internal:  # our own copies and views: not the model's ops
             return func(*args, **(kwargs or {}))
+        if _in_backward() and not self._replaying:
+            self._backward_reached()
         if self._replaying or not self._started or self._backward_started or _in_backward():
             return super().__torch_dispatch__(func, types, args, kwargs)
         region = self._region
@@ -302,17 +311,44 @@ class Executor(StepTracer):
             entry.resident = False
             self._resident -= entry.nbytes
 
+    def _backward_reached(self) -> None:
+        """Backward is running the node of some forward op j: the backward of every op after j
+        is done (autograd walks the chain in reverse), so their prefetch triggers fire now; then
+        j's layer is replayed if it recomputes anything, at the region's start as the schedule
+        does, not later at the first read of a recomputed tensor."""
+        node = torch._C._current_autograd_node()
+        j = self._node_to_op.get(id(node)) if node is not None else None
+        if j is None:
+            j = len(self.profile.ops)  # not a traced op (the loss's own nodes): forward has ended
+        while self._pending_triggers and self._pending_triggers[0] > j:
+            for key in self._triggers[self._pending_triggers.pop(0)]:
+                entry = self._entries.get(key)
+                if entry is not None and entry.decision is Decision.SWAP and entry.storage is None \
+                        and entry.buffer is not None:
+                    self._copy_in(entry)
+        if j < len(self.ops) and self.ops[j].region in self._layer_call:
+            self._replay(self.ops[j].region)
+
+    def _copy_in(self, entry: _Entry) -> None:
+        self._internal = True
+        try:
+            self._arrive(entry)
+            handle = self.device.copy_in(entry.buffer.view(torch.uint8, (entry.nbytes,)))
+            entry.storage = handle.wait()
+        finally:
+            self._internal = False
+
     def _unpack(self, holder):
         if not isinstance(holder, _Holder):
             return holder
+        if _in_backward() and not self._replaying:
+            self._backward_reached()
         entry = holder.entry
         if holder.tensor is not None:
             return holder.tensor
         if entry.storage is None:
-            if entry.decision is Decision.SWAP:
-                self._arrive(entry)
-                handle = self.device.copy_in(entry.buffer.view(torch.uint8, (entry.nbytes,)))
-                entry.storage = handle.wait()
+            if entry.decision is Decision.SWAP:  # its prefetch has not run: backward waits
+                self._copy_in(entry)
                 self._step.copy_waits += 1
             else:
                 self._replay(entry.region)

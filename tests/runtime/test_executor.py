@@ -9,10 +9,12 @@ from hypothesis import strategies as st
 
 import slackswap_ds as ss
 from slackswap_ds.errors import BudgetInfeasibleError, PlanError
-from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.hardware import Hardware
+from slackswap_ds.plan import Decision, Plan, lower
 from slackswap_ds.planners.common import keep_all
 from slackswap_ds.runtime.device import Device
 from slackswap_ds.runtime.host_pool import HostPool
+from slackswap_ds.simulator import simulate
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,6 +97,22 @@ def test_planned_steps_are_exact_and_within_budget(setup, budget):
     assert last.fallbacks == {}
 
 
+@pytest.mark.parametrize("planner", ["slackswap", "full-recompute", "offload-all", "recompute-knapsack"])
+def test_measured_peak_equals_the_simulated_peak(setup, planner):
+    """On the CPU accelerator copies are synchronous: simulated with instant copies, the plan's
+    predicted peak is exactly the executor's own accounting."""
+    model, ids, profile, _ = setup
+    try:
+        plan = ss.plan(profile, "a100-80g-pcie4", 0.5, planner=planner)
+    except BudgetInfeasibleError:
+        pytest.skip("infeasible")
+    predicted = simulate(lower(profile, plan), Hardware.instant_copies()).peak_bytes
+    with ss.apply(model, plan, profile) as stats:
+        step(model, ids)
+    assert stats.last_step.peak_device_bytes == predicted <= plan.budget_bytes
+    assert stats.last_step.copy_waits == 0  # every swapped tensor was back by its prefetch trigger
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                 HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**16))
@@ -107,6 +125,8 @@ def test_random_plans_are_exact(setup, seed):
     ex = ss.apply(model, plan, profile)
     assert_exact(run(model, ids, ex), reference)
     assert sorted(ex.stats.last_step.recomputed_ops) == recompute_ops(profile, plan)
+    predicted = simulate(lower(profile, plan), Hardware.instant_copies()).peak_bytes
+    assert ex.stats.last_step.peak_device_bytes == predicted
 
 
 def test_bf16_steps_are_exact():
