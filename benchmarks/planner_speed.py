@@ -21,6 +21,7 @@ It is a report: the exit code is 0 whatever the result, unless --strict (1 on an
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import statistics
@@ -75,6 +76,7 @@ def time_plan(name: str, hw, budget: float, repeats: int) -> tuple[list[float], 
     for _ in range(repeats):
         profile = workload(name, hw)
         budget_bytes = resolve_budget(budget, profile)
+        gc.collect()  # start each sample without the garbage of the previous one (no debt carried)
         t0 = time.perf_counter()
         plan = fn(profile, hw, budget_bytes)
         samples.append(time.perf_counter() - t0)
@@ -86,6 +88,7 @@ def time_simulate(profile, plan, hw, budget: float, repeats: int) -> list[float]
     budget_bytes = resolve_budget(budget, profile)
     samples = []
     for _ in range(repeats):
+        gc.collect()
         t0 = time.perf_counter()
         simulate(schedule, hw, budget_bytes=budget_bytes, record=False)
         samples.append(time.perf_counter() - t0)

@@ -24,6 +24,7 @@ Schedule protocol (the simulator and the executor both follow it; comments elsew
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -247,7 +248,7 @@ class Schedule:
 
     instrs: tuple[Instr, ...]
     act_bytes: Mapping[str, int]
-    plan_digest: str
+    plan: Plan  # the plan it executes (its digest is computed only when asked for)
 
     def stream(self, name: str) -> list[int]:
         return [i for i, ins in enumerate(self.instrs) if ins.stream == name]
@@ -335,4 +336,20 @@ def lower(profile: StepProfile, plan: Plan) -> Schedule:
         trig_id = fwd_id[-1] if trig == END_OF_FORWARD else bwd_id[op_index[trig]]
         emit(Instr("h2d", Kind.COPY_IN, a.key, nbytes=a.bytes, waits=(copy_out_id[a.key], trig_id),
                    alloc_start=(a.key,)))
-    return Schedule(tuple(instrs), {a.key: a.bytes for a in acts}, plan.digest)
+    return Schedule(tuple(instrs), {a.key: a.bytes for a in acts}, plan)
+
+
+def retrigger(schedule: Schedule, profile: StepProfile, plan: Plan) -> Schedule:
+    """`lower(profile, plan)` for a plan that differs from `schedule`'s only in its prefetch
+    triggers: only the copy-ins' trigger waits change (planners try several trigger sets)."""
+    if plan.decisions != schedule.plan.decisions or plan.blocking != schedule.plan.blocking:
+        raise PlanError("retrigger needs a plan with the same decisions as the schedule's")
+    ids = {(ins.kind, ins.name): i for i, ins in enumerate(schedule.instrs) if ins.stream == "compute"}
+    end_of_forward = ids[Kind.FWD, profile.ops[-1].key]
+    instrs = list(schedule.instrs)
+    for i, ins in enumerate(instrs):
+        if ins.kind is Kind.COPY_IN:
+            trig = plan.trigger[ins.name]
+            waits = (ins.waits[0], end_of_forward if trig == END_OF_FORWARD else ids[Kind.BWD, trig])
+            instrs[i] = dataclasses.replace(ins, waits=waits)
+    return Schedule(tuple(instrs), schedule.act_bytes, plan)

@@ -24,7 +24,7 @@ from functools import cached_property
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
-from ..plan import END_OF_FORWARD, Decision, Plan, Schedule, lower
+from ..plan import END_OF_FORWARD, Decision, Plan, Schedule, lower, retrigger
 from ..profile import StepProfile
 from ..simulator import SimResult, simulate
 
@@ -202,7 +202,8 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
         triggers = alap_triggers(profile, decisions, hw, share, lead=lead, draft=draft)
         plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
                           planner_version=version, prefetch=triggers)
-        res = simulate_plan(profile, plan, rank_hw)
+        schedule = retrigger(draft, profile, plan) if draft is not None else lower(profile, plan)
+        res = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes, record=False)
         if not res.feasible:
             overshoot = overshoot or res.peak_bytes - budget_bytes
             continue

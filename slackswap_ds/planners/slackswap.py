@@ -99,14 +99,9 @@ class _State:
                 continue
             if self.pool_left is not None and a.bytes > self.pool_left:
                 continue
-            before = self.peak()[0]
+            # (a swap never raises the model peak: M(r+1) trades kept bytes for prefetched ones)
             self.kept[r] -= a.bytes
             self.swapped[r] += a.bytes
-            if self.peak()[0] > max(before, target):
-                # its prefetch during the next region's backward would raise the peak: keep it
-                self.kept[r] += a.bytes
-                self.swapped[r] -= a.bytes
-                continue
             self.dec[a.key] = Decision.SWAP
             self.d2h_slack[: release + 1] -= out
             self.h2d_left[r] -= back
