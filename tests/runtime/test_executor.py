@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from torch import nn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -129,8 +130,9 @@ def test_random_plans_are_exact(setup, seed):
     assert ex.stats.last_step.peak_device_bytes == predicted
 
 
-def test_bf16_steps_are_exact():
-    model = tiny("gpt2", torch.bfloat16)
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+def test_bf16_steps_are_exact(kind):
+    model = tiny(kind, torch.bfloat16)
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     profile = ss.profile_step(model, step, ids, warmup=0)
     reference = run(model, ids)
@@ -195,3 +197,62 @@ def test_model_that_checkpoints_inside_runs_exactly_under_a_swap_plan():
     ex = ss.apply(model, swap_everything(profile), profile)
     assert_exact(run(model, ids, ex), reference)
     assert ex.stats.last_step.swapped_bytes == profile.total_bytes and ex.stats.last_step.fallbacks == {}
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(16, 32), nn.Linear(32, 16), nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class _DeepSpeedCheckpointed(nn.Module):
+    """Megatron-DeepSpeed style: every other layer goes through deepspeed.checkpointing.checkpoint."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Block() for _ in range(4)])
+
+    def forward(self, x):
+        import deepspeed
+
+        for i, layer in enumerate(self.layers):
+            x = deepspeed.checkpointing.checkpoint(layer, x) if i % 2 else layer(x)
+        return x.pow(2).mean()
+
+
+def test_model_calling_deepspeed_checkpointing_inside_is_exact_under_random_plans(monkeypatch):
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    pytest.importorskip("deepspeed")
+    torch.manual_seed(0)
+    model = _DeepSpeedCheckpointed().train()
+    x = torch.randn(8, 16)
+
+    def ds_step(m, batch):
+        loss = m(batch)
+        loss.backward()
+        return loss
+
+    profile = ss.profile_step(model, ds_step, x, warmup=0)
+    # the checkpointed layers (1, 3) keep their own saves; layers 0 and 2 are SlackSwap's
+    assert {a.key.split(":")[0] for a in profile.activations} == {"layers.0", "layers.2", "post"}
+
+    def one(ctx=None):
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        if ctx is None:
+            loss = ds_step(model, x)
+        else:
+            with ctx:
+                loss = ds_step(model, x)
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = one()
+    for seed in range(4):
+        rng = random.Random(seed)
+        dec = {a.key: rng.choice([Decision.KEEP, Decision.SWAP] + [Decision.RECOMPUTE] * a.recomputable)
+               for a in profile.activations}
+        plan = Plan.build(profile, dec, budget_bytes=0, hardware_digest="any", planner="random")
+        assert_exact(one(ss.apply(model, plan, profile)), reference)
