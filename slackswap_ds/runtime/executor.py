@@ -16,8 +16,11 @@ autograd a small holder instead of the tensor:
 Own accounting: bytes of saved storages held on the device by this executor, from save (or copy
 in, or recompute) until autograd drops the last holder of that storage.
 
-The prefetch triggers of the plan are not yet honoured: a swapped tensor is copied in when backward
-first needs it (synchronous on the CPU accelerator, which has no streams anyway).
+Backward follows the Schedule: when autograd reaches the node of forward op j, the prefetch of every
+swapped tensor whose trigger op comes after j is issued, and j's layer is replayed first if it
+recomputes anything. With streams the copies overlap compute (device.py's "Stream protocol"); on
+the CPU accelerator they are real synchronous copies, so the accounting equals the simulator's
+prediction on `Hardware.instant_copies()`.
 """
 
 from __future__ import annotations
@@ -68,7 +71,8 @@ class RunStats:
 class _Entry:
     """One saved storage in one step."""
 
-    __slots__ = ("key", "decision", "nbytes", "region", "storage", "buffer", "holders", "resident")
+    __slots__ = ("key", "decision", "nbytes", "region", "storage", "buffer", "holders", "resident",
+                 "out_handle", "in_handle")
 
     def __init__(self, key: str, decision: Decision, nbytes: int, region: str):
         self.key, self.decision, self.nbytes, self.region = key, decision, nbytes, region
@@ -76,6 +80,8 @@ class _Entry:
         self.buffer = None  # HostBuffer of a swapped storage
         self.holders = 0
         self.resident = False
+        self.out_handle = None  # CopyHandle of its D2H copy (swaps)
+        self.in_handle = None  # CopyHandle of its H2D copy, until the compute stream has waited on it
 
 
 class _Holder:
@@ -146,6 +152,7 @@ class Executor(StepTracer):
         self._out_meta: dict[tuple[str, int], list[tuple]] = {}
         self._replayed: set[str] = set()
         self._pins: dict[str, list[_Entry]] = {}
+        self._in_flight: list[_Entry] = []
         self._pending_triggers = sorted(self._triggers, reverse=True)
         self._replaying = False
         self._internal = False
@@ -214,6 +221,8 @@ class Executor(StepTracer):
             self._backward_reached()
         if self._replaying or not self._started or self._backward_started or _in_backward():
             return super().__torch_dispatch__(func, types, args, kwargs)
+        if self._in_flight:
+            self._poll_copies()
         region = self._region
         compute = not (func.is_view or func.overloadpacket.__name__ in _FREE_OPS)
         if compute and region in self._rerun:
@@ -273,17 +282,29 @@ class Executor(StepTracer):
                 self._step.fallback("host pool exhausted: kept")
                 entry.decision = Decision.KEEP
             else:
-                self._arrive(entry)  # resident until the copy is done
-                handle = self.device.copy_out(_bytes_view(t), buf.view(torch.uint8, (entry.nbytes,)))
-                handle.wait()
+                # Stream protocol (device.py): D2H on the side stream after the compute stream; the
+                # handle keeps the device source alive, and it counts as resident, until the copy ends.
+                self._arrive(entry)
                 entry.buffer = buf
-                self._leave(entry)
+                entry.out_handle = self.device.copy_out(_bytes_view(t), buf.view(torch.uint8, (entry.nbytes,)))
+                self._in_flight.append(entry)
+                self._poll_copies()
                 self._step.swapped_bytes += entry.nbytes
         if entry.decision is Decision.KEEP:
             entry.storage = _bytes_view(t)
             self._arrive(entry)
             self._step.kept_bytes += entry.nbytes
         return entry
+
+    def _poll_copies(self) -> None:
+        """Swapped storages whose D2H copy has ended leave the device (never blocks)."""
+        still = []
+        for entry in self._in_flight:
+            if entry.out_handle.done():
+                self._leave(entry)
+            else:
+                still.append(entry)
+        self._in_flight = still
 
     def _hold(self, entry: _Entry, t: torch.Tensor) -> _Holder:
         holder = _Holder(entry, t if entry.decision is Decision.KEEP else None, _meta(t))
@@ -296,9 +317,10 @@ class Executor(StepTracer):
         if entry.holders == 0:
             self._leave(entry)
             entry.storage = None
-            if entry.buffer is not None:
-                self.pool.release(entry.buffer)
+            if entry.buffer is not None:  # reusable once no copy reads or writes it any more
+                self.pool.release(entry.buffer, after=entry.in_handle or entry.out_handle)
                 entry.buffer = None
+            entry.in_handle = None
 
     def _arrive(self, entry: _Entry) -> None:
         if not entry.resident:
@@ -330,11 +352,15 @@ class Executor(StepTracer):
             self._replay(self.ops[j].region)
 
     def _copy_in(self, entry: _Entry) -> None:
+        """Issue the H2D copy (side stream); the device bytes count from now (see plan.py)."""
         self._internal = True
         try:
+            if not entry.out_handle.done():  # backward caught up with its copy-out: wait for it
+                entry.out_handle.wait()
+                self._poll_copies()
             self._arrive(entry)
-            handle = self.device.copy_in(entry.buffer.view(torch.uint8, (entry.nbytes,)))
-            entry.storage = handle.wait()
+            entry.in_handle = self.device.copy_in(entry.buffer.view(torch.uint8, (entry.nbytes,)))
+            entry.storage = entry.in_handle.tensor
         finally:
             self._internal = False
 
@@ -354,6 +380,12 @@ class Executor(StepTracer):
                 self._replay(entry.region)
         if entry.storage is None:
             raise RuntimeError(f"slackswap: replay of {entry.region!r} did not regenerate {entry.key!r}")
+        if entry.in_handle is not None:  # compute waits on the copy's event (no host sync)
+            self._internal = True
+            try:
+                entry.in_handle.wait_on_current()
+            finally:
+                self._internal = False
         return _rebuild(entry.storage, holder.meta)
 
     # ---- recompute ---------------------------------------------------------------------------

@@ -136,8 +136,20 @@ def test_bf16_steps_are_exact(kind):
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     profile = ss.profile_step(model, step, ids, warmup=0)
     reference = run(model, ids)
-    for name in ("slackswap", "full-recompute", "offload-all"):
-        plan = ss.plan(profile, "a100-80g-pcie4", 0.5, planner=name)
+    plans = []
+    for budget in (0.25, 0.5, 0.75):
+        try:
+            plans.append(ss.plan(profile, "a100-80g-pcie4", budget))
+        except BudgetInfeasibleError:
+            pass
+    plans += [ss.plan(profile, "a100-80g-pcie4", 0.5, planner=n) for n in ("full-recompute", "offload-all")]
+    for seed in range(2):
+        rng = random.Random(seed)
+        dec = {a.key: rng.choice([Decision.KEEP, Decision.SWAP] + [Decision.RECOMPUTE] * a.recomputable)
+               for a in profile.activations}
+        plans.append(Plan.build(profile, dec, budget_bytes=0, hardware_digest="any", planner="random"))
+    assert len(plans) == 7
+    for plan in plans:
         assert_exact(run(model, ids, ss.apply(model, plan, profile)), reference)
 
 
