@@ -51,6 +51,13 @@ def _storage_ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one, also when ZeRO-3 has swapped in a gathered storage that the
+    address check cannot know (`ds_id` marks DeepSpeed's partitioned parameters)."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, nn.Parameter) or hasattr(base, "ds_id")
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -180,7 +187,7 @@ class StepTracer(TorchDispatchMode):
         if _in_backward() or self._backward_started or not self._started or t.device.type == "meta":
             return None
         ptr = _storage_ptr(t)
-        if ptr in self._param_ptrs or isinstance(t, nn.Parameter):
+        if ptr in self._param_ptrs or _is_parameter(t):
             return None
         sid = self._sid_of(t)
         self._pending_saves.append(sid)
