@@ -10,8 +10,8 @@ from .hardware import Hardware, Node, load_hardware, load_node
 from .plan import Decision, Plan
 from .profile import StepProfile
 
-__all__ = ["Decision", "Hardware", "Node", "Plan", "StepProfile", "apply", "load_hardware", "load_node",
-           "plan", "profile_step"]
+__all__ = ["Decision", "Hardware", "Node", "Plan", "StepProfile", "apply", "initialize", "install",
+           "load_hardware", "load_node", "plan", "profile_step"]
 
 
 def plan(profile: StepProfile, hardware: str | Hardware = "a100-80g-pcie4", budget: float | int = 0.5, *,
@@ -33,4 +33,12 @@ def __getattr__(name: str):
         from .runtime.executor import apply
 
         return apply
+    if name == "initialize":
+        from .engine import initialize
+
+        return initialize
+    if name == "install":
+        from .checkpointing import install
+
+        return install
     raise AttributeError(f"module 'slackswap_ds' has no attribute {name!r}")

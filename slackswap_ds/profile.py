@@ -236,6 +236,16 @@ class StepProfile:
     def digest(self) -> str:
         return hashlib.sha256(self.canonical_json().encode()).hexdigest()
 
+    @cached_property
+    def structure_digest(self) -> str:
+        """sha256 of everything but the times: equal on every rank that runs the same model on the
+        same shapes, so ranks can check that a plan made from another rank's profile fits theirs."""
+        data = self.to_json()
+        data["ops"] = [{"key": o["key"], "region": o["region"]} for o in data["ops"]]
+        data.pop("meta")
+        data.pop("name")
+        return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
 

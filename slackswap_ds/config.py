@@ -1,0 +1,493 @@
+"""The ``"slackswap"`` section of a DeepSpeed JSON config.
+
+    {
+      "train_micro_batch_size_per_gpu": 2,
+      ...
+      "slackswap": {"activation_budget": 0.5, "hardware": "a100-80g-pcie4"}
+    }
+
+`load_config(ds_config)` takes the DeepSpeed config (a dict or a path to the JSON file) and returns a
+frozen `SlackSwapConfig`. A config without a ``"slackswap"`` section gives ``enabled=False``: users who
+did not ask for SlackSwap get plain DeepSpeed behaviour. An empty section ``{}`` turns it on with the
+defaults.
+
+Every problem in the section is reported at once, one line each, in one `ConfigError`; each line names
+the field (``slackswap.activation_budget``), what was found, and the fix. DeepSpeed ignores unknown
+top-level keys, so this validation is the user's only guard against typos: unknown keys are errors,
+with the closest valid name suggested.
+
+Budget semantics (the same as ``ss.plan`` and ``slackswap simulate``):
+
+- a number in (0, 1] is a fraction of the keep-all peak of saved activations (``0.5``; the integer
+  ``1`` is the fraction 1.0, the whole peak);
+- an integer > 1 is bytes (``12884901888``);
+- a string is a size: ``"12GiB"``, ``"512MiB"``, ``"8GB"``, ``"1.5e9"`` (KiB/MiB/GiB/TiB are powers of
+  two, KB/MB/GB/TB powers of ten, B or no unit is bytes), or a percentage ``"50%"``;
+- a float > 1 (``1.5``, or ``8e9`` which JSON reads as a float) is rejected: ``1.5`` is most likely a
+  mistaken fraction, and bytes must be whole. Write bytes as an integer or a quoted size string.
+
+Sizes (``host_pool_bytes_per_node``) follow the same rules without the fraction case.
+
+This module imports no torch; the planner registry is imported only when a planner name is checked.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import SlackSwapError
+from .hardware import load_hardware, preset_names
+
+SECTION = "slackswap"
+
+__all__ = ["SECTION", "ConfigError", "SlackSwapConfig", "field_table", "load_config", "parse_size"]
+
+
+class ConfigError(SlackSwapError, ValueError):
+    """An invalid DeepSpeed config or ``"slackswap"`` section. `problems` holds one line per problem,
+    each naming the field path, what was found, and the fix; the message lists them all."""
+
+    def __init__(self, problems: list[str] | str, source: str | None = None):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.source = source
+        where = f" in {source}" if source else ""
+        n = len(self.problems)
+        head = f'invalid "{SECTION}" config{where}: {n} problem{"s" if n != 1 else ""}'
+        super().__init__(head + "".join(f"\n  {p}" for p in self.problems))
+
+
+# ---- sizes -------------------------------------------------------------------------------------
+UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_UNIT_NAMES = "B, KB, MB, GB, TB (powers of ten), KiB, MiB, GiB, TiB (powers of two)"
+_SIZE_RE = re.compile(r"^\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
+_SIZE_EXAMPLES = '"12GiB", "512MiB", "8GB" or "1.5e9"'
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size string: ``"12GiB"`` -> 12884901888, ``"8GB"`` -> 8000000000, ``"1.5e9"`` ->
+    1500000000, ``"4096"`` -> 4096. A size with a unit is rounded to the nearest byte; a plain number
+    must be whole. Raises ValueError saying what is wrong if `text` is not a positive size."""
+    m = _SIZE_RE.match(text) if isinstance(text, str) else None
+    if not m:
+        raise ValueError("not a size (a number and an optional unit)")
+    number, unit = float(m.group(1)), m.group(2)
+    if unit.lower() not in UNITS:
+        raise ValueError(f"unknown unit {unit!r} (units: {_UNIT_NAMES})")
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError("a size must be positive")
+    if unit == "" and number != int(number):
+        raise ValueError(f"{number:g} is not a whole number of bytes")
+    n = int(round(number * UNITS[unit.lower()]))
+    if n < 1:
+        raise ValueError("less than one byte")
+    return n
+
+
+_BUDGET_FIX = f"Fix: a fraction of the keep-all peak in (0, 1] such as 0.5, or a size such as {_SIZE_EXAMPLES}"
+_SIZE_FIX = f"Fix: an integer number of bytes, a size such as {_SIZE_EXAMPLES}, or null for no limit"
+
+
+def _parse_budget(v: Any) -> float | int:
+    """A fraction (float in (0, 1]) or bytes (int > 1); see the module docstring."""
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"not a budget. {_BUDGET_FIX}")
+    if isinstance(v, str):
+        s = v.strip()
+        if s.endswith("%"):
+            try:
+                pct = float(s[:-1])
+            except ValueError:
+                pct = math.nan
+            if not (math.isfinite(pct) and 0 < pct <= 100):
+                raise ValueError('a percentage must be in (0%, 100%]. Fix: e.g. "50%", or 0.5')
+            return pct / 100
+        try:
+            plain = float(s)
+        except ValueError:
+            plain = None
+        if plain is not None and 0 < plain <= 1:
+            return float(plain)
+        try:
+            return parse_size(s)
+        except ValueError as e:
+            raise ValueError(f"{e}. {_BUDGET_FIX}") from None
+    if isinstance(v, float) and not math.isfinite(v):
+        raise ValueError(f"not a finite number. {_BUDGET_FIX}")
+    if v <= 0:
+        raise ValueError(f"the budget must be > 0. {_BUDGET_FIX}")
+    if v <= 1:
+        return float(v)  # 1 (int) is the fraction 1.0, the whole keep-all peak
+    if isinstance(v, float):
+        raise ValueError(
+            "a float > 1 is ambiguous (a mistaken fraction? bytes must be whole). Fix: for a fraction of "
+            'the keep-all peak use (0, 1] such as 0.5; for bytes an integer (12884901888) or a quoted size ("12GiB", "8e9")'
+        )
+    return int(v)
+
+
+def _parse_size_field(v: Any) -> int | None:
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
+        raise ValueError(f"not a size. {_SIZE_FIX}")
+    if isinstance(v, str):
+        try:
+            return parse_size(v)
+        except ValueError as e:
+            raise ValueError(f"{e}. {_SIZE_FIX}") from None
+    if isinstance(v, float):
+        raise ValueError(f"a float is not a size (bytes are whole; JSON reads 64e9 as a float). {_SIZE_FIX}")
+    if v <= 0:
+        raise ValueError(f"a size must be > 0. {_SIZE_FIX}")
+    return int(v)
+
+
+# ---- the model ---------------------------------------------------------------------------------
+def _path_like(s: str) -> bool:
+    return "/" in s or "\\" in s or s.endswith(".json") or s.startswith("~")
+
+
+def _did_you_mean(word: str, choices: list[str]) -> str:
+    """'did you mean "x"? ' for the closest choice (names that start with `word` first), or ''."""
+    prefixed = [c for c in choices if c.lower().startswith(word.lower())] if word else []
+    if len(prefixed) > 1:
+        return "did you mean one of " + ", ".join(f'"{c}"' for c in prefixed) + "? "
+    m = prefixed or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f'did you mean "{m[0]}"? ' if m else ""
+
+
+def _doc(type_doc: str, example: Any) -> dict:
+    """Per-field docs beyond `description`: the type as the README table shows it, and an example
+    value (JSON) used in error messages."""
+    return {"type_doc": type_doc, "example": example}
+
+
+class SlackSwapConfig(BaseModel):
+    """The validated ``"slackswap"`` section (frozen; unknown keys rejected). Build it with
+    `load_config`; constructing it directly raises `ConfigError` on bad values too."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, validate_default=False)
+
+    enabled: bool = Field(
+        True,
+        description="Turn SlackSwap on. A DeepSpeed config without a `slackswap` section is treated as "
+        "`false` (plain DeepSpeed); an empty section `{}` turns it on with these defaults.",
+        json_schema_extra=_doc("boolean", True),
+    )
+    activation_budget: float | int = Field(
+        0.5,
+        description="Device memory allowed for saved activations at any instant. A number in (0, 1] is a "
+        "fraction of the keep-all peak (`1` = the whole peak); an integer > 1 is bytes; a string is a size "
+        '(`"12GiB"`, `"512MiB"`, `"8GB"`, `"1.5e9"`; KiB/MiB/GiB/TiB are powers of two, KB/MB/GB/TB powers '
+        'of ten) or a percentage (`"50%"`). A float > 1 (`1.5`, or `8e9`) is rejected as ambiguous.',
+        json_schema_extra=_doc("fraction, integer bytes or size string", 0.5),
+    )
+    hardware: str = Field(
+        "auto",
+        description="GPU and host-link model the planner uses: a GPU preset from `configs/hardware/` "
+        "(`a100-40g-pcie4`, `a100-80g-pcie4`, `h100-pcie5`, `h200-pcie5`, `gh200`), a path to a hardware "
+        "JSON file (relative to the working directory or to the DeepSpeed config file), or `\"auto\"` "
+        "(the preset of the local CUDA device; `a100-80g-pcie4` when none matches).",
+        json_schema_extra=_doc("preset name, path or \"auto\"", "a100-80g-pcie4"),
+    )
+    planner: str = Field(
+        "slackswap",
+        description="Planner that decides keep / swap / recompute: `slackswap` (ours), `optimal` (MILP, "
+        "slow), or a baseline: `keep-all`, `full-recompute`, `megatron-selective`, `offload-all`, "
+        "`recompute-knapsack`.",
+        json_schema_extra=_doc("planner name", "slackswap"),
+    )
+    profile_steps: int = Field(
+        2,
+        ge=1,
+        description="Training steps run as plain DeepSpeed (safe mode, no plan yet) before the step that is "
+        "profiled, so that lazy initialisation and allocator warm-up stay out of the profile.",
+        json_schema_extra=_doc("integer >= 1", 2),
+    )
+    replan: Literal["on_shape_change", "never"] = Field(
+        "on_shape_change",
+        description='`"on_shape_change"`: profile and plan again when the input shapes change (e.g. a new '
+        'sequence length); `"never"`: plan only the first shapes, and run batches of other shapes as plain '
+        'DeepSpeed.',
+        json_schema_extra=_doc('"on_shape_change" or "never"', "on_shape_change"),
+    )
+    host_pool_bytes_per_node: int | None = Field(
+        None,
+        description="Pinned host memory for swapped activations, per node, shared by its ranks: integer "
+        "bytes or a size string (as for `activation_budget`, no fractions). `null`: no limit beyond the "
+        "host's memory. A full pool makes the runtime keep a tensor instead (counted as a fallback).",
+        json_schema_extra=_doc("integer bytes, size string or null", "64GiB"),
+    )
+    plan_file: str | None = Field(
+        None,
+        description="Where to save the plan as JSON. If the file already exists, its plan is loaded "
+        "instead of planning (it must match the profile and hardware). `null`: plan in memory only.",
+        json_schema_extra=_doc("path or null", "slackswap-plan.json"),
+    )
+    sync: Literal["auto", "mpi", "torch"] = Field(
+        "auto",
+        description='How the ranks of a node agree on one plan: `"mpi"` (mpi4py), `"torch"` '
+        '(torch.distributed), or `"auto"` (MPI when launched under MPI, else torch.distributed).',
+        json_schema_extra=_doc('"auto", "mpi" or "torch"', "auto"),
+    )
+    sync_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds to wait for every rank to reach plan agreement before raising an error.",
+        json_schema_extra=_doc("number > 0", 300),
+    )
+    trace_file: str | None = Field(
+        None,
+        description="Write a measured Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev) of a "
+        "planned step to this path. `null`: no trace.",
+        json_schema_extra=_doc("path or null", "slackswap-trace.json"),
+    )
+    log_level: Literal["debug", "info", "warning"] = Field(
+        "info",
+        description='Verbosity of the `slackswap_ds` logger: `"debug"`, `"info"` or `"warning"`.',
+        json_schema_extra=_doc('"debug", "info" or "warning"', "info"),
+    )
+
+    def __init__(self, **data: Any):
+        # pydantic calls this for model_validate too; there a ConfigError comes wrapped in a
+        # ValidationError, so build it as SlackSwapConfig(**section) or with load_config.
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(_problems(e, data)) from None
+
+    # -- derived ------------------------------------------------------------------------------
+    @property
+    def budget_is_fraction(self) -> bool:
+        """True if `activation_budget` is a fraction of the keep-all peak, False if it is bytes."""
+        return isinstance(self.activation_budget, float)
+
+    def budget_for(self, keep_all_peak_bytes: int) -> int:
+        """The budget in bytes for a step whose keep-all peak of saved activations is
+        `keep_all_peak_bytes`: int(fraction × peak) for a fraction (as `planners.resolve_budget`),
+        the bytes themselves otherwise."""
+        if isinstance(keep_all_peak_bytes, bool) or not isinstance(keep_all_peak_bytes, int) or keep_all_peak_bytes < 0:
+            raise ValueError(f"keep_all_peak_bytes must be a non-negative int, got {keep_all_peak_bytes!r}")
+        if self.budget_is_fraction:
+            return int(self.activation_budget * keep_all_peak_bytes)
+        return int(self.activation_budget)
+
+    # -- validators (raise ValueError("what is wrong. Fix: what to write"); `_problems` adds the
+    #    path and the value found) ------------------------------------------------------------------
+    @field_validator("activation_budget", mode="before")
+    @classmethod
+    def _budget(cls, v: Any) -> float | int:
+        return _parse_budget(v)
+
+    @field_validator("host_pool_bytes_per_node", mode="before")
+    @classmethod
+    def _host_pool(cls, v: Any) -> int | None:
+        return _parse_size_field(v)
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _log_level(cls, v: Any) -> Any:
+        return v.lower() if isinstance(v, str) else v
+
+    @field_validator("hardware")
+    @classmethod
+    def _hardware(cls, v: str) -> str:
+        if v == "auto":
+            return v
+        gpus = preset_names("gpu")
+        if not _path_like(v):
+            if v in gpus:
+                return v
+            if v in preset_names("node"):
+                raise ValueError(
+                    f'"{v}" is a node preset, not a GPU. Fix: give the GPU of that node, one of: {", ".join(gpus)}'
+                )
+            raise ValueError(
+                f"unknown hardware preset. Fix: {_did_you_mean(v, gpus)}valid presets: {', '.join(gpus)}, "
+                '"auto", or a path to a hardware JSON file'
+            )
+        p = Path(v).expanduser()
+        if not p.is_file():
+            stem = p.stem
+            hint = f'the preset name "{stem}", ' if stem in gpus else ""
+            raise ValueError(
+                f"hardware file not found (looked for '{p.resolve()}'"
+                + ("" if p.is_absolute() else "; relative paths are looked up in the working directory, then next "
+                   "to the DeepSpeed config file")
+                + "). Fix: give an existing hardware JSON file, "
+                f"{hint}or a preset name: {', '.join(gpus)}"
+            )
+        found = p
+        try:
+            load_hardware(found)
+        except SlackSwapError as e:
+            raise ValueError(f"not a usable GPU hardware file: {e}. Fix: give a GPU hardware JSON file or a preset "
+                             f"name: {', '.join(gpus)}") from None
+        return str(found.resolve())
+
+    @field_validator("planner")
+    @classmethod
+    def _planner(cls, v: str) -> str:
+        from .planners import PLANNERS  # lazy: numpy / scipy, no torch
+
+        if v not in PLANNERS:
+            names = list(PLANNERS)
+            raise ValueError(f"unknown planner. Fix: {_did_you_mean(v, names)}valid planners: {', '.join(names)}")
+        return v
+
+    @field_validator("plan_file", "trace_file")
+    @classmethod
+    def _path_or_none(cls, v: str | None) -> str | None:
+        if v is not None and not v.strip():
+            raise ValueError("an empty path. Fix: give a file path, or null to turn it off")
+        return v
+
+
+FIELDS = list(SlackSwapConfig.model_fields)
+
+
+# ---- pydantic errors -> one line per problem -----------------------------------------------------
+def _found(value: Any, kind: bool = True) -> str:
+    """`value` as JSON (shortened), followed by its JSON kind."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    if not kind:
+        return text
+    what = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "an object", type(None): "null"}.get(type(value), type(value).__name__)
+    return f"{text} ({what})"
+
+
+def _problems(e: ValidationError, data: Any) -> list[str]:
+    """One line per field: path, what was found, the fix."""
+    out: dict[str, str] = {}
+    for err in e.errors(include_url=False):
+        loc = err.get("loc") or ()
+        name = str(loc[0]) if loc else ""
+        path = f"{SECTION}.{name}" if name else SECTION
+        if path in out:
+            continue
+        value = err.get("input")
+        if err["type"] == "extra_forbidden":
+            out[path] = (
+                f"{path}: unknown key; found \"{name}\": {_found(value, kind=False)}. Fix: "
+                f"{_did_you_mean(name, FIELDS)}valid keys: {', '.join(FIELDS)}"
+            )
+            continue
+        if not name:
+            out[path] = f"{path}: found {_found(data)}; {err['msg']}"
+            continue
+        if err["type"] == "value_error":
+            reason = str(err.get("ctx", {}).get("error", err["msg"]))
+            out[path] = f"{path}: found {_found(value)}; {reason}"
+            continue
+        field = SlackSwapConfig.model_fields[name]
+        extra = field.json_schema_extra or {}
+        why = {
+            "greater_than_equal": f"must be >= {err.get('ctx', {}).get('ge', 0):g}",
+            "greater_than": f"must be > {err.get('ctx', {}).get('gt', 0):g}",
+            "finite_number": "must be a finite number",
+        }.get(err["type"], f"expected {extra['type_doc']}")
+        out[path] = (
+            f"{path}: found {_found(value)}; {why}. Fix: write e.g. \"{name}\": {json.dumps(extra['example'])} "
+            f"({extra['type_doc']}; default {json.dumps(field.default)})"
+        )
+    return list(out.values())
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def load_config(ds_config: dict | str | os.PathLike) -> SlackSwapConfig:
+    """The validated ``"slackswap"`` section of a DeepSpeed config: a dict, or a path to its JSON file.
+
+    A config without a ``"slackswap"`` section returns ``SlackSwapConfig(enabled=False)``: DeepSpeed
+    users who did not ask for SlackSwap get plain DeepSpeed behaviour. ``"slackswap": {}`` turns it on
+    with the defaults. A relative ``hardware`` path is looked up in the working directory, then next to
+    the config file. Raises `ConfigError` listing every problem at once (an unreadable or non-JSON
+    file, a section that is not an object, unknown keys, bad values)."""
+    source, base_dir = None, None
+    if isinstance(ds_config, (str, os.PathLike)):
+        path = Path(ds_config)
+        source, base_dir = str(path), path.resolve().parent
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"{path}: file not found. Fix: give the path of a DeepSpeed JSON config", source) from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the file ({e}). Fix: give a readable DeepSpeed JSON config",
+                              source) from None
+        try:
+            ds_config = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(
+                f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}). Fix: correct the "
+                "JSON (no comments, no trailing commas, double-quoted keys)", source
+            ) from None
+    if not isinstance(ds_config, dict):
+        raise ConfigError(
+            f"the DeepSpeed config: found {_found(ds_config)}; expected a JSON object (a dict). Fix: pass a dict "
+            "or the path of a DeepSpeed JSON config file", source
+        )
+    if SECTION not in ds_config:
+        return SlackSwapConfig(enabled=False)
+    section = ds_config[SECTION]
+    if not isinstance(section, dict):
+        raise ConfigError(
+            f"{SECTION}: found {_found(section)}; the section must be a JSON object. Fix: write "
+            f'"{SECTION}": {{"activation_budget": 0.5, ...}} ({{}} for the defaults), or remove the key for '
+            "plain DeepSpeed", source
+        )
+    bad_keys = [k for k in section if not isinstance(k, str)]
+    if bad_keys:
+        raise ConfigError(f"{SECTION}: found non-string keys {bad_keys!r}. Fix: use the field names: {', '.join(FIELDS)}",
+                          source)
+    section = _resolve_hardware_path(section, base_dir)
+    try:
+        return SlackSwapConfig(**section)
+    except ConfigError as e:
+        raise ConfigError(e.problems, source) from None
+
+
+def _resolve_hardware_path(section: dict, base_dir: Path | None) -> dict:
+    """A relative hardware path that is not found from the working directory but is found next to
+    the config file is replaced by the latter (absolute)."""
+    hw = section.get("hardware")
+    if base_dir is None or not isinstance(hw, str) or not _path_like(hw):
+        return section
+    p = Path(hw).expanduser()
+    if p.is_absolute() or p.is_file() or not (base_dir / p).is_file():
+        return section
+    return {**section, "hardware": str((base_dir / p).resolve())}
+
+
+# ---- docs --------------------------------------------------------------------------------------
+def field_table() -> str:
+    """The fields as a Markdown table (field | type | default | meaning); README.md holds a copy
+    (tests/test_config.py keeps them equal)."""
+
+    def cell(s: str) -> str:
+        return s.replace("|", "\\|").replace("\n", " ")
+
+    rows = ["| field | type | default | meaning |", "|---|---|---|---|"]
+    for name, f in SlackSwapConfig.model_fields.items():
+        extra = f.json_schema_extra or {}
+        rows.append(
+            f"| `{name}` | {cell(extra['type_doc'])} | `{json.dumps(f.default)}` | {cell(f.description or '')} |"
+        )
+    return "\n".join(rows) + "\n"
