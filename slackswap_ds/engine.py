@@ -125,6 +125,7 @@ class SlackSwapRuntime:
     last_stats: Any = None  # StepStats of the last step run under a plan
     active_plan: Plan | None = None  # the plan of that step
     pool: Any = None  # one HostPool for every shape's executor
+    _was_active: bool = False
 
     def attach(self) -> None:
         engine = self.engine
@@ -171,6 +172,11 @@ class SlackSwapRuntime:
             self.active, self.active_key = StepTracer(self.module), key
         else:
             self.active, self.active_key = state.executor, key
+        # checkpoint() calls (ss.install(), or ss.checkpointing directly) run inline under a plan,
+        # and so under the tracer that makes the plan's profile too
+        from .checkpointing import set_plan_active
+
+        self._was_active = set_plan_active(True)
         self.active.__enter__()
 
     def _after_backward(self) -> None:
@@ -178,7 +184,12 @@ class SlackSwapRuntime:
         if ctx is None:
             return
         self.active = self.active_key = None
-        ctx.__exit__(None, None, None)
+        try:
+            ctx.__exit__(None, None, None)
+        finally:
+            from .checkpointing import set_plan_active
+
+            set_plan_active(self._was_active)
         state = self.shapes[key]
         if state.executor is None:
             from .runtime.profiler import build_profile

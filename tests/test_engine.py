@@ -1,0 +1,86 @@
+"""ss.initialize under the real DeepSpeed launcher on CPU (2 ranks, loopback only)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slackswap_ds.config import load_config
+from slackswap_ds.engine import SlackSwapRuntime
+from slackswap_ds.errors import InvalidFileError, PlanError
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("deepspeed")
+
+
+def launch(tmp_path: Path, name: str, config: dict, steps: int) -> tuple[list[float], str]:
+    cfg_path = tmp_path / f"{name}.json"
+    cfg_path.write_text(json.dumps(config))
+    losses = tmp_path / f"{name}.losses.json"
+    # one thread per rank: with several, how CPU kernels split their sums can follow the machine's
+    # load, and two runs of the *same* model then differ in the last bits
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1",
+           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(29500 + os.getpid() % 1000), str(ROOT / "launch" / "train.py"),
+           "--deepspeed_config", str(cfg_path), "--steps", str(steps), "--losses", str(losses)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads(losses.read_text()), out
+
+
+def base_config(stage: int) -> dict:
+    config = json.loads((ROOT / "configs" / "slackswap.json").read_text())
+    config["zero_optimization"] = {"stage": stage}
+    return config
+
+
+@pytest.mark.parametrize("stage, steps", [(0, 20), (1, 6), (2, 6), (3, 6)])
+def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(tmp_path, stage, steps):
+    on = base_config(stage)
+    off = json.loads(json.dumps(on))
+    off["slackswap"]["enabled"] = False
+    losses_on, log_on = launch(tmp_path, "on", on, steps)
+    losses_off, log_off = launch(tmp_path, "off", off, steps)
+    assert len(losses_on) == steps and losses_on == losses_off
+    # one plan line per rank, the same plan on both
+    plans = re.findall(r"slackswap rank (\d): .* plan ([0-9a-f]{12})", log_on)
+    assert sorted(r for r, _ in plans) == ["0", "1"] and len({d for _, d in plans}) == 1
+    measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
+    profile_steps = on["slackswap"]["profile_steps"]
+    assert len(measured) == steps - profile_steps - 1  # the step after the safe ones is profiled
+    assert all(a <= b for a, b in measured)
+    assert "slackswap rank" not in log_off
+
+
+
+def test_plan_file_that_is_corrupt_or_foreign_is_refused(tmp_path):
+    from conftest import two_region_profile
+    from slackswap_ds.plan import Decision, Plan
+    from slackswap_ds.profile import Activation, Op, StepProfile
+
+    profile = two_region_profile()
+    path = tmp_path / "plan.json"
+    cfg = load_config({"slackswap": {"plan_file": str(path), "hardware": "a100-80g-pcie4"}})
+    runtime = SlackSwapRuntime(engine=None, cfg=cfg)
+    assert runtime._load_plan(profile) is None  # no file yet: plan afresh
+
+    path.write_text("{ not json")
+    with pytest.raises(InvalidFileError, match="cannot read plan"):
+        runtime._load_plan(profile)
+
+    other = StepProfile("other", [Op("x:0:a", 1, 1, "x")], [Activation("x:t", 4, (0,))])
+    Plan.build(other, {"x:t": Decision.KEEP}, budget_bytes=1, hardware_digest="h", planner="t").save(path)
+    with pytest.raises(PlanError, match="does not fit this model's step"):
+        runtime._load_plan(profile)
+
+    good = Plan.build(profile, {a.key: Decision.KEEP for a in profile.activations}, budget_bytes=99,
+                      hardware_digest="h", planner="t")
+    good.save(path)
+    loaded = runtime._load_plan(profile)
+    assert loaded.decision == good.decision and loaded.budget_bytes == 99
