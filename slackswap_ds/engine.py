@@ -198,6 +198,13 @@ class SlackSwapRuntime:
         else:
             self.last_stats = state.executor.stats.last_step
             self.active_plan = state.plan
+            timeline = state.executor.stats.last_timeline
+            if timeline is not None and state.executor.record:
+                from .report import write_trace
+
+                state.executor.record = False  # one measured step is enough
+                write_trace(timeline, self._trace_path("measured"), budget_bytes=state.plan.budget_bytes,
+                            title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
     def _make_plan(self, state: _ShapeState, local: StepProfile) -> None:
@@ -236,9 +243,19 @@ class SlackSwapRuntime:
         if self.cfg.trace_file and rank == 0:
             from .report import write_trace
 
+            # the prediction now; the first measured step replaces it (same format, see _after_backward)
             res = simulate(lower(profile, plan), self.hw, budget_bytes=plan.budget_bytes)
-            write_trace(res, self.cfg.trace_file, title=f"slackswap plan {plan.digest[:12]} (predicted)",
+            write_trace(res, self._trace_path("predicted"), title=f"slackswap plan {plan.digest[:12]} (predicted)",
                         budget_bytes=plan.budget_bytes)
+            state.executor.record = True
+
+    def _trace_path(self, kind: str) -> str:
+        """trace_file for the measured step; <stem>.<kind><suffix> beside it for the prediction."""
+        path = self.cfg.trace_file
+        if kind == "measured":
+            return path
+        root, ext = os.path.splitext(path)
+        return f"{root}.{kind}{ext or '.json'}"
 
     def _load_plan(self, profile: StepProfile) -> Plan | None:
         path = self.cfg.plan_file
@@ -250,6 +267,7 @@ class SlackSwapRuntime:
         except PlanError as e:
             raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
         # made for the same structure (times may differ): adopt it for this profile
+        log.info("slackswap: using the plan in plan_file %s (%s)", path, plan.digest[:12])
         return Plan.build(profile, plan.decision, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
                           planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
                           blocking=plan.blocking)

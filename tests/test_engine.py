@@ -84,3 +84,20 @@ def test_plan_file_that_is_corrupt_or_foreign_is_refused(tmp_path):
     good.save(path)
     loaded = runtime._load_plan(profile)
     assert loaded.decision == good.decision and loaded.budget_bytes == 99
+
+
+def test_plan_file_is_written_then_reused_and_traces_are_written(tmp_path):
+    config = base_config(0)
+    config["slackswap"].update(plan_file=str(tmp_path / "plan.json"), trace_file=str(tmp_path / "trace.json"))
+    _, first = launch(tmp_path, "first", config, 5)
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["format"] == "slackswap.plan/1"
+    measured = json.loads((tmp_path / "trace.json").read_text())
+    predicted = json.loads((tmp_path / "trace.predicted.json").read_text())
+    assert "measured" in measured["otherData"]["title"] and "predicted" in predicted["otherData"]["title"]
+    assert {e["cat"] for e in measured["traceEvents"] if e.get("ph") == "X"} >= {"fwd", "bwd"}
+    _, second = launch(tmp_path, "second", config, 4)
+    assert "using the plan in plan_file" not in first
+    assert f"using the plan in plan_file {tmp_path / 'plan.json'}" in second
+    # the adopted plan has the saved decisions (rebuilt for the new run's own measured profile)
+    assert json.loads((tmp_path / "plan.json").read_text())["decisions"] == saved["decisions"]

@@ -39,6 +39,7 @@ from ..plan import END_OF_FORWARD, Decision, Plan
 from ..profile import StepProfile
 from .device import Device
 from .host_pool import HostPool
+from .timeline import MeasuredStep, Timeline
 from .tracing import _FREE_OPS, StepTracer, _in_backward, _reads_only_shapes, _storage_ptr
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class StepStats:
 class RunStats:
     steps: int = 0
     last_step: StepStats = field(default_factory=StepStats)
+    last_timeline: MeasuredStep | None = None  # with record=True: the last step, for report.chrome_trace
 
 
 class _Entry:
@@ -111,8 +113,9 @@ class Executor(StepTracer):
     """The mode behind `apply` (see the module docstring)."""
 
     def __init__(self, model: nn.Module, plan: Plan, profile: StepProfile, *, device: Device | None = None,
-                 pool: HostPool | None = None):
+                 pool: HostPool | None = None, record: bool = False):
         super().__init__(model)
+        self.record = record  # keep a measured timeline of each step (stats.last_timeline)
         self.plan, self.profile = plan, profile
         self.device = device or Device.current()
         self.pool = pool or HostPool(None, self.device)
@@ -158,6 +161,7 @@ class Executor(StepTracer):
         self._internal = False
         self._resident = 0
         self._step = StepStats()
+        self._timeline: Timeline | None = None
 
     def _enter_model(self, module, args):
         if _in_backward() or self._replaying:
@@ -165,11 +169,15 @@ class Executor(StepTracer):
         if self._started:  # a new step: close the last one
             self._close_step()
         self._started = True
+        if self.record:
+            self._timeline = Timeline()
 
     def _close_step(self) -> None:
         self.stats.steps += 1
         self._step.host_pool_bytes = self.pool.stats().bytes_in_use
         self.stats.last_step = self._step
+        if self._timeline is not None:
+            self.stats.last_timeline = self._timeline.close(self._step.peak_device_bytes)
         self._reset_step()
 
     def __exit__(self, *exc):
@@ -219,6 +227,28 @@ class Executor(StepTracer):
             return func(*args, **(kwargs or {}))
         if _in_backward() and not self._replaying:
             self._backward_reached()
+        tl = self._timeline
+        if tl is not None and not self._replaying and (_in_backward() or self._started and not self._backward_started):
+            return self._timed(func, types, args, kwargs, tl)
+        return self._dispatch(func, types, args, kwargs)
+
+    def _timed(self, func, types, args, kwargs, tl: Timeline):
+        """The op, with its span on the timeline: forward ops by key, backward ops by the forward
+        op whose autograd node runs them."""
+        backward = _in_backward()
+        start = tl.now()
+        n_ops = len(self.ops)
+        out = self._dispatch(func, types, args, kwargs)
+        if backward:
+            node = torch._C._current_autograd_node()
+            j = self._node_to_op.get(id(node)) if node is not None else None
+            if j is not None:
+                tl.span("compute", "bwd", self.ops[j].key, start, tl.now())
+        elif len(self.ops) > n_ops:
+            tl.span("compute", "fwd", self.ops[-1].key, start, tl.now())
+        return out
+
+    def _dispatch(self, func, types, args=(), kwargs=None):
         if self._replaying or not self._started or self._backward_started or _in_backward():
             return super().__torch_dispatch__(func, types, args, kwargs)
         if self._in_flight:
@@ -286,7 +316,10 @@ class Executor(StepTracer):
                 # handle keeps the device source alive, and it counts as resident, until the copy ends.
                 self._arrive(entry)
                 entry.buffer = buf
+                start = self._timeline.now() if self._timeline else 0.0
                 entry.out_handle = self.device.copy_out(_bytes_view(t), buf.view(torch.uint8, (entry.nbytes,)))
+                if self._timeline is not None:
+                    self._timeline.span("d2h", "copy_out", key, start, self._timeline.now(), entry.nbytes)
                 self._in_flight.append(entry)
                 self._poll_copies()
                 self._step.swapped_bytes += entry.nbytes
@@ -327,11 +360,15 @@ class Executor(StepTracer):
             entry.resident = True
             self._resident += entry.nbytes
             self._step.peak_device_bytes = max(self._step.peak_device_bytes, self._resident)
+            if self._timeline is not None:
+                self._timeline.resident(self._resident)
 
     def _leave(self, entry: _Entry) -> None:
         if entry.resident:
             entry.resident = False
             self._resident -= entry.nbytes
+            if self._timeline is not None:
+                self._timeline.resident(self._resident)
 
     def _backward_reached(self) -> None:
         """Backward is running the node of some forward op j: the backward of every op after j
@@ -359,7 +396,10 @@ class Executor(StepTracer):
                 entry.out_handle.wait()
                 self._poll_copies()
             self._arrive(entry)
+            start = self._timeline.now() if self._timeline else 0.0
             entry.in_handle = self.device.copy_in(entry.buffer.view(torch.uint8, (entry.nbytes,)))
+            if self._timeline is not None:
+                self._timeline.span("h2d", "copy_in", entry.key, start, self._timeline.now(), entry.nbytes)
             entry.storage = entry.in_handle.tensor
         finally:
             self._internal = False
@@ -443,7 +483,10 @@ class _Replay(TorchDispatchMode):
             rng = ex._rng_before.get((region, k))
             if rng is not None:
                 torch.set_rng_state(rng)
+            start = ex._timeline.now() if ex._timeline else 0.0
             out = func(*args, **kwargs)
+            if ex._timeline is not None:
+                ex._timeline.span("compute", "recompute", key, start, ex._timeline.now())
             ex._step.ops_recomputed += 1
             ex._step.recomputed_ops.append(key)
             for n, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):

@@ -268,3 +268,28 @@ def test_model_calling_deepspeed_checkpointing_inside_is_exact_under_random_plan
                for a in profile.activations}
         plan = Plan.build(profile, dec, budget_bytes=0, hardware_digest="any", planner="random")
         assert_exact(one(ss.apply(model, plan, profile)), reference)
+
+
+def test_recorded_timeline_is_a_trace_of_the_measured_step(tmp_path):
+    from slackswap_ds.report import chrome_trace
+
+    model = tiny("gpt2")
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    # swap what cannot be recomputed, recompute the rest: every kind of span appears
+    plan = Plan.build(profile, {a.key: Decision.RECOMPUTE if a.recomputable else Decision.SWAP
+                                for a in profile.activations}, budget_bytes=profile.total_bytes,
+                      hardware_digest="any", planner="test")
+    ex = ss.apply(model, plan, profile, record=True)
+    with ex as stats:
+        step(model, ids)
+    timeline = stats.last_timeline
+    kinds = {(e.stream, e.kind) for e in timeline.events}
+    assert ("compute", "fwd") in kinds and ("compute", "bwd") in kinds
+    assert {("d2h", "copy_out"), ("h2d", "copy_in")} <= kinds
+    assert ("compute", "recompute") in kinds
+    fwd = [e.name for e in timeline.events if e.kind == "fwd"]
+    assert fwd == [o.key for o in profile.ops]  # every forward op, in order, named as in the profile
+    assert max(m[2] for m in timeline.memory) == stats.last_step.peak_device_bytes
+    trace = chrome_trace(timeline, title="measured", budget_bytes=plan.budget_bytes)
+    assert trace["otherData"]["peak_bytes"] == stats.last_step.peak_device_bytes
