@@ -101,3 +101,45 @@ def test_plan_file_is_written_then_reused_and_traces_are_written(tmp_path):
     assert f"using the plan in plan_file {tmp_path / 'plan.json'}" in second
     # the adopted plan has the saved decisions (rebuilt for the new run's own measured profile)
     assert json.loads((tmp_path / "plan.json").read_text())["decisions"] == saved["decisions"]
+
+
+class _EngineShim:
+    """The two methods SlackSwapRuntime wraps, around a real model: forward and backward, as a
+    DeepSpeed engine exposes them (no distributed state, so the lifecycle runs on one process)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def test_new_input_shapes_are_profiled_and_planned_on_their_own():
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    engine = _EngineShim(model)
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                  "profile_steps": 1}}))
+    runtime.attach()
+
+    def one(seq):
+        ids = torch.randint(1, 128, (2, seq))
+        out = engine.forward(input_ids=ids, labels=ids, use_cache=False)
+        engine.backward(out.loss)
+
+    for seq in (16, 16, 16, 32, 32, 16):
+        one(seq)
+    assert len(runtime.shapes) == 2
+    plans = {key: state.plan for key, state in runtime.shapes.items()}
+    assert all(p is not None for p in plans.values())
+    short, long = sorted(plans.values(), key=lambda p: p.budget_bytes)
+    assert short.digest != long.digest and long.budget_bytes > short.budget_bytes
+    assert runtime.active_plan is short  # the last step (seq 16) ran under its own shape's plan
