@@ -1,0 +1,92 @@
+"""Run under `mpiexec -iface lo -n 4` by tests/test_dist.py; each rank writes its result as JSON to
+$SLACKSWAP_TEST_OUT/<rank>.json (files, not stdout: four processes' lines can interleave)."""
+
+import json
+import os
+import sys
+
+import torch
+
+import slackswap_ds as ss
+from slackswap_ds.dist import AgreementError, agree, node_layout, node_shares
+from slackswap_ds.hardware import load_node
+from slackswap_ds.plan import Decision, Plan
+
+
+def tiny():
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=4, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def step(model, ids):
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+    return out.loss
+
+
+def grads(model, ids, ctx=None):
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)
+    if ctx is None:
+        loss = step(model, ids)
+    else:
+        with ctx:
+            loss = step(model, ids)
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def emit(row: dict) -> None:
+    path = os.path.join(os.environ["SLACKSWAP_TEST_OUT"], f"{row['rank']}.json")
+    with open(path, "w") as f:
+        json.dump(row, f)
+
+
+def main(scenario: str) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    layout, local = node_layout(comm, ranks_per_node=2)
+    out = {"rank": layout.rank, "node": layout.node, "local_rank": layout.local_rank,
+           "node_ranks": list(layout.node_ranks)}
+    node = load_node("dgx-a100")
+    if scenario == "shares":
+        demands = [int(x) for x in sys.argv[2:4]]
+        pool = int(sys.argv[4])
+        share = node_shares(node, layout.local_size, demands, pool)[layout.local_rank]
+        out.update(d2h=share.d2h_bps, h2d=share.h2d_bps, pool=share.host_pool_bytes, uplink=node.switch_uplink_bps)
+        emit(out)
+        return
+    model = tiny()
+    torch.manual_seed(100)  # the same batch on every rank: replicas of one data-parallel step shape
+    ids = torch.randint(1, 128, (2, 16))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    plan = ss.plan(profile, "a100-80g-pcie4", 0.5) if layout.rank == 0 else None
+    if scenario == "exit" and layout.rank == 1:
+        emit({**out, "exited": True})
+        sys.exit(0)
+    tamper = None
+    if scenario == "tamper" and layout.rank == 2:
+        def tamper(p):
+            key, dec = p.decisions[0]
+            flipped = Decision.KEEP if dec is not Decision.KEEP else Decision.SWAP
+            return Plan(((key, flipped),) + p.decisions[1:], p.prefetch, p.budget_bytes, p.profile_digest,
+                        p.hardware_digest, p.planner, p.planner_version, p.blocking)
+    try:
+        agreed_profile, agreed = agree(comm, profile, plan, timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 30,
+                                       on_receive=tamper)
+    except AgreementError as e:
+        emit({**out, "error": str(e)})
+        return
+    reference = grads(model, ids)
+    result = grads(model, ids, ss.apply(model, agreed, agreed_profile))
+    exact = torch.equal(result[0], reference[0]) and all(torch.equal(result[1][k], reference[1][k]) for k in reference[1])
+    out.update(digest=agreed.digest, exact=exact)
+    emit(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,73 @@
+"""Node coordination under a real MPI launcher: `mpiexec -iface lo -n 4` (loopback only), with the
+4 ranks grouped as 2 nodes x 2 ranks by the host-grouping override."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slackswap_ds.dist import node_shares
+from slackswap_ds.hardware import load_node
+
+ROOT = Path(__file__).resolve().parents[1]
+MPIEXEC = shutil.which("mpiexec")
+pytestmark = pytest.mark.skipif(MPIEXEC is None or pytest.importorskip("mpi4py") is None, reason="no mpiexec")
+
+
+def mpirun(*args: str, n: int = 4, timeout: int = 300) -> list[dict]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as out:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+               "SLACKSWAP_TEST_OUT": out}
+        proc = subprocess.run([MPIEXEC, "-iface", "lo", "-n", str(n), sys.executable,
+                               str(ROOT / "tests" / "mpi" / "worker.py"), *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        rows = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
+    assert len(rows) == n, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def test_ranks_grouped_as_two_nodes_of_two_share_each_node_budget_and_link():
+    node = load_node("dgx-a100")
+    rows = mpirun("shares", "3000", "1000", "2000")
+    assert [r["node_ranks"] for r in rows] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    for members in ((0, 1), (2, 3)):
+        group = [rows[r] for r in members]
+        # both ranks sit behind one switch: its uplink is split between them, exactly
+        assert sum(r["d2h"] for r in group) == node.switch_uplink_bps
+        assert sum(r["h2d"] for r in group) == node.switch_uplink_bps
+        # demands (3000 + 1000) exceed the node pool (2000): shares proportional, within the pool
+        assert [r["pool"] for r in group] == [1500, 500]
+
+
+def test_replicas_agree_on_one_plan_and_train_exactly():
+    rows = mpirun("agree", "60")
+    assert len({r["digest"] for r in rows}) == 1
+    assert all(r["exact"] for r in rows)
+
+
+def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():
+    rows = mpirun("exit", "5")
+    assert rows[1].get("exited")
+    for r in (rows[0], rows[2], rows[3]):
+        assert "ranks [1] did not report within sync_timeout_s=5" in r["error"]
+
+
+def test_a_tampered_plan_is_detected_and_named():
+    rows = mpirun("tamper", "60")
+    for r in rows:
+        assert "ranks [2]" in r["error"] and ("digest differs" in r["error"] or "does not fit" in r["error"])
+
+
+def test_pool_shares_fit_when_demand_is_below_the_pool():
+    node = load_node("dgx-a100")
+    shares = node_shares(node, 4, [100, 200, 300, 400], 10_000)
+    assert [s.host_pool_bytes for s in shares] == [100, 200, 300, 400]
+    assert [s.d2h_bps for s in shares] == [node.switch_uplink_bps / 2] * 4
+    odd = node_shares(node, 3, [1, 1, 1], None)  # the third rank has its switch to itself
+    assert odd[2].d2h_bps == min(node.gpu.d2h_bps, node.switch_uplink_bps)
