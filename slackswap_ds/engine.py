@@ -124,6 +124,7 @@ class SlackSwapRuntime:
     active_key: tuple | None = None
     last_stats: Any = None  # StepStats of the last step run under a plan
     active_plan: Plan | None = None  # the plan of that step
+    sync: str = "torch"  # how ranks agree: "mpi" or "torch" (resolved from the config's "auto")
     pool: Any = None  # one HostPool for every shape's executor
     _was_active: bool = False
 
@@ -135,9 +136,12 @@ class SlackSwapRuntime:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         node_pool = self.cfg.host_pool_bytes_per_node
         self.pool_bytes = None if node_pool is None else node_pool // max(1, local)
-        if self.cfg.sync == "mpi":
-            log.warning("slackswap: \"sync\": \"mpi\" is not available yet (it comes with node coordination); "
-                        "agreeing on plans over torch.distributed")
+        self.sync = self.cfg.sync
+        if self.sync == "auto":
+            # MPI when the job was launched by an MPI launcher (MPICH/Hydra or Open MPI set these)
+            launched = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
+            self.sync = "mpi" if launched and _has_mpi4py() else "torch"
+        log.debug("slackswap: plans agreed over %s", "MPI" if self.sync == "mpi" else "torch.distributed")
         forward, backward = engine.forward, engine.backward
 
         def slackswap_forward(*args, **kwargs):
@@ -220,7 +224,14 @@ class SlackSwapRuntime:
                 local, self.hw, self.cfg.budget_for(local.total_bytes), Share(host_pool_bytes=self.pool_bytes))
             if self.cfg.plan_file:
                 plan.save(self.cfg.plan_file)
-        profile, plan = agree(local, plan, rank, world, self.cfg.sync_timeout_s)
+        if self.sync == "mpi":
+            from mpi4py import MPI
+
+            from .dist import agree as agree_mpi
+
+            profile, plan = agree_mpi(MPI.COMM_WORLD, local, plan, self.cfg.sync_timeout_s)
+        else:
+            profile, plan = agree(local, plan, rank, world, self.cfg.sync_timeout_s)
         state.profile, state.plan = profile, plan
         from .runtime.device import Device
         from .runtime.host_pool import HostPool
@@ -271,6 +282,14 @@ class SlackSwapRuntime:
         return Plan.build(profile, plan.decision, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
                           planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
                           blocking=plan.blocking)
+
+
+def _has_mpi4py() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _rank_world() -> tuple[int, int]:
