@@ -14,8 +14,9 @@
 # Every rank runs through launch/rank_env.sh, which turns the launcher's rank variables (PMI_RANK,
 # OMPI_COMM_WORLD_RANK, ...) into RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_SIZE, so that
 # deepspeed.init_distributed() takes env:// and never runs its mpi4py discovery (which would set
-# MASTER_ADDR to the first address of `hostname -I`). The Python ranks never call MPI_Init: MPI only
-# starts the processes; torch.distributed (gloo / nccl) does the communication.
+# MASTER_ADDR to the first address of `hostname -I`). Training traffic is torch.distributed's
+# (gloo / nccl); MPI starts the processes and, when mpi4py is installed, carries slackswap_ds's plan
+# agreement (config "sync": "auto" picks MPI when PMI_RANK / OMPI_COMM_WORLD_RANK is set).
 #
 # Options:
 #   -n, -np N        number of ranks (default: sum of the hostfile's slots; else the number of GPUs
@@ -28,7 +29,9 @@
 # Environment:
 #   SLACKSWAP_LOOPBACK=1   keep everything on lo: MPICH `-iface lo`; Open MPI `--mca btl_tcp_if_include lo
 #                          --mca oob_tcp_if_include lo`; MASTER_ADDR=127.0.0.1; GLOO_SOCKET_IFNAME=lo and
-#                          NCCL_SOCKET_IFNAME=lo unless set; a hostfile may then name only this machine
+#                          NCCL_SOCKET_IFNAME=lo, UCX_NET_DEVICES=lo and FI_TCP_IFACE=lo unless set (the
+#                          ranks' own MPI traffic: slackswap_ds agrees plans over MPI under an MPI
+#                          launcher); a hostfile may then name only this machine
 #   MASTER_ADDR            rendezvous host (default: first host of the hostfile, else 127.0.0.1;
 #                          ignored with SLACKSWAP_LOOPBACK=1)
 #   DS_ACCELERATOR         passed to every rank when set (cpu for CPU runs)
@@ -107,7 +110,10 @@ if [[ $loopback == 1 ]]; then
         is_local_host "$h" || die "SLACKSWAP_LOOPBACK=1 but the hostfile names $h, which is not this machine"
     done
     master_addr=127.0.0.1
+    # torch.distributed's sockets, and MPI's own (slackswap_ds agrees plans over MPI when mpi4py is
+    # there): UCX (MPICH's default netmod here, Open MPI's pml ucx) and libfabric's tcp provider
     export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo}
+    export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo} FI_TCP_IFACE=${FI_TCP_IFACE:-lo}
 elif [[ -n "${MASTER_ADDR:-}" ]]; then
     master_addr=$MASTER_ADDR
 elif [[ ${#hosts[@]} -gt 0 ]]; then
@@ -142,7 +148,8 @@ fi
 # Variables every rank needs; with a hostfile they must reach the other nodes too.
 export MASTER_ADDR=$master_addr MASTER_PORT=$port
 pass=(MASTER_ADDR MASTER_PORT)
-for v in DS_ACCELERATOR OMP_NUM_THREADS GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME PYTHONPATH SLACKSWAP_LAUNCH_VERBOSE; do
+for v in DS_ACCELERATOR OMP_NUM_THREADS GLOO_SOCKET_IFNAME NCCL_SOCKET_IFNAME UCX_NET_DEVICES FI_TCP_IFACE \
+         PYTHONPATH SLACKSWAP_LAUNCH_VERBOSE; do
     if [[ -n "${!v:-}" ]]; then pass+=("$v"); fi
 done
 
@@ -161,6 +168,7 @@ else
     cmd+=(-np "$nprocs" --bind-to none)        # one core per rank (the default) starves torch threads
     if [[ -n "$ppn" ]]; then cmd+=(--map-by "ppr:$ppn:node"); fi
     if [[ -n "$hostfile" ]]; then cmd+=(--hostfile "$hostfile"); fi
+    # (Open MPI 5 moved the out-of-band layer to PRRTE: there add --mpi-args "--prtemca oob_tcp_if_include lo")
     if [[ $loopback == 1 ]]; then cmd+=(--mca btl_tcp_if_include lo --mca oob_tcp_if_include lo); fi
     if [[ $(id -u) == 0 ]]; then cmd+=(--allow-run-as-root); fi
     for v in "${pass[@]}"; do cmd+=(-x "$v"); done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Per-rank shim: map the rank variables that an MPI or Slurm launcher sets onto the torch.distributed
-# ones (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE) and exec the command given.
+# ones (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE = LOCAL_WORLD_SIZE) and exec the command given.
 #
 #     mpiexec -n 2 launch/rank_env.sh python -u launch/train.py --deepspeed_config ...
 #
@@ -44,7 +44,8 @@ LOCAL_SIZE=${LOCAL_SIZE:-$WORLD_SIZE}
 
 : "${MASTER_ADDR:?rank_env.sh: MASTER_ADDR is not set (launch/mpirun.sh exports it)}"
 : "${MASTER_PORT:=29500}"
-export RANK WORLD_SIZE LOCAL_RANK LOCAL_SIZE MASTER_ADDR MASTER_PORT
+LOCAL_WORLD_SIZE=$LOCAL_SIZE                 # torchrun's name for it
+export RANK WORLD_SIZE LOCAL_RANK LOCAL_SIZE LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT
 
 if [[ "${SLACKSWAP_LAUNCH_VERBOSE:-0}" == 1 ]]; then
     echo "rank_env.sh: $(hostname) RANK=$RANK WORLD_SIZE=$WORLD_SIZE LOCAL_RANK=$LOCAL_RANK LOCAL_SIZE=$LOCAL_SIZE" \

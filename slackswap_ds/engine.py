@@ -133,7 +133,8 @@ class SlackSwapRuntime:
         self.module = engine.module
         self.hw = resolve_hardware(self.cfg.hardware)
         # the node's pinned pool, split evenly among its ranks (node coordination will split by demand)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        # ranks on this node: torchrun and our MPI shim set LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         node_pool = self.cfg.host_pool_bytes_per_node
         self.pool_bytes = None if node_pool is None else node_pool // max(1, local)
         self.sync = self.cfg.sync
