@@ -248,10 +248,10 @@ class SlackSwapRuntime:
         split = plan.bytes_by_decision(profile)
         log.info(
             "slackswap rank %d: budget %s B of %s B keep-all; keep %s B, swap %s B, recompute %s B; "
-            "planner %s on %s predicts %.1f%% of ideal throughput; plan %s",
+            "planner %s on %s predicts %.1f%% of ideal throughput; plan %s agreed over %s",
             rank, f"{plan.budget_bytes:,}", f"{profile.total_bytes:,}", f"{split[Decision.KEEP]:,}",
             f"{split[Decision.SWAP]:,}", f"{split[Decision.RECOMPUTE]:,}", plan.planner, self.hw.name,
-            100 * state.predicted_throughput, plan.digest[:12])
+            100 * state.predicted_throughput, plan.digest[:12], "MPI" if self.sync == "mpi" else "torch.distributed")
         if self.cfg.trace_file and rank == 0:
             from .report import write_trace
 
