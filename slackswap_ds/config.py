@@ -44,7 +44,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .errors import SlackSwapError
-from .hardware import load_hardware, preset_names
+from .hardware import load_hardware, load_node, preset_names
 
 SECTION = "slackswap"
 
@@ -230,6 +230,14 @@ class SlackSwapConfig(BaseModel):
         "host's memory. A full pool makes the runtime keep a tensor instead (counted as a fallback).",
         json_schema_extra=_doc("integer bytes, size string or null", "64GiB"),
     )
+    node: str | None = Field(
+        None,
+        description="Node topology shared by the ranks of one machine: a node preset from `configs/hardware/` "
+        "(`dgx-a100`: 8 GPUs, 2 per PCIe switch) or a path to a node JSON file. Each rank then plans with its "
+        "share of its switch uplink and of `host_pool_bytes_per_node`. `null`: every rank plans as if its "
+        "host link were its own.",
+        json_schema_extra=_doc("node preset, path or null", "dgx-a100"),
+    )
     plan_file: str | None = Field(
         None,
         description="Where to save the plan as JSON. If the file already exists, its plan is loaded "
@@ -337,6 +345,24 @@ class SlackSwapConfig(BaseModel):
             raise ValueError(f"not a usable GPU hardware file: {e}. Fix: give a GPU hardware JSON file or a preset "
                              f"name: {', '.join(gpus)}") from None
         return str(found.resolve())
+
+    @field_validator("node")
+    @classmethod
+    def _node(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        nodes = preset_names("node")
+        if not _path_like(v):
+            if v in nodes:
+                return v
+            raise ValueError(f"unknown node preset. Fix: {_did_you_mean(v, nodes)}valid node presets: "
+                             f"{', '.join(nodes)}, a path to a node JSON file, or null")
+        try:
+            load_node(Path(v).expanduser())
+        except SlackSwapError as e:
+            raise ValueError(f"not a usable node file: {e}. Fix: give a node JSON file or a preset: "
+                             f"{', '.join(nodes)}") from None
+        return str(Path(v).expanduser().resolve())
 
     @field_validator("planner")
     @classmethod

@@ -27,6 +27,7 @@ import torch
 from .config import SlackSwapConfig, load_config
 from .errors import PlanError, SlackSwapError
 from .hardware import Hardware, load_hardware
+from .planners.common import Share
 from .plan import Decision, Plan, lower
 from .profile import StepProfile
 from .simulator import simulate
@@ -124,6 +125,7 @@ class SlackSwapRuntime:
     active_key: tuple | None = None
     last_stats: Any = None  # StepStats of the last step run under a plan
     active_plan: Plan | None = None  # the plan of that step
+    share: Any = None  # this rank's planning Share (link rates, pool bytes)
     sync: str = "torch"  # how ranks agree: "mpi" or "torch" (resolved from the config's "auto")
     pool: Any = None  # one HostPool for every shape's executor
     _was_active: bool = False
@@ -137,6 +139,17 @@ class SlackSwapRuntime:
         local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
         node_pool = self.cfg.host_pool_bytes_per_node
         self.pool_bytes = None if node_pool is None else node_pool // max(1, local)
+        self.share = Share(host_pool_bytes=self.pool_bytes)
+        if self.cfg.node is not None:
+            # this rank's share of its switch uplink and of the node's pool; data-parallel replicas
+            # run the same model, so their demands are equal and the pool splits evenly
+            from .dist import node_shares
+            from .hardware import load_node
+
+            node = load_node(self.cfg.node)
+            local_rank = int(os.environ.get("LOCAL_RANK") or 0) % max(1, local)
+            each_wants_all = [node_pool or 1] * max(1, local)  # equal demands: an even split of the pool
+            self.share = node_shares(node, max(1, local), each_wants_all, node_pool)[local_rank]
         self.sync = self.cfg.sync
         if self.sync == "auto":
             # MPI when the job was launched by an MPI launcher (MPICH/Hydra or Open MPI set these)
@@ -219,10 +232,8 @@ class SlackSwapRuntime:
         rank, world = _rank_world()
         plan = None
         if rank == 0:
-            from .planners import Share
-
             plan = self._load_plan(local) or get_planner(self.cfg.planner)(
-                local, self.hw, self.cfg.budget_for(local.total_bytes), Share(host_pool_bytes=self.pool_bytes))
+                local, self.hw, self.cfg.budget_for(local.total_bytes), self.share)
             if self.cfg.plan_file:
                 plan.save(self.cfg.plan_file)
         if self.sync == "mpi":
