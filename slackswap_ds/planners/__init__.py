@@ -5,9 +5,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import UnknownNameError
-from ..hardware import Hardware
 from ..plan import Plan
-from ..profile import StepProfile
 from .baselines import (
     plan_full_recompute,
     plan_keep_all,

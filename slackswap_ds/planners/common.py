@@ -20,7 +20,6 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from functools import cached_property
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
@@ -107,28 +106,11 @@ class RegionModel:
     def copy_s(self, nbytes: int, bps: float) -> float:
         return self.hw.copy_latency_s + nbytes / bps
 
-    def recompute_s(self, producers: set[int]) -> float:
-        return sum(self.profile.ops[p].fwd_s for p in producers)
 
-    def peak(self, decisions: dict[str, Decision]) -> tuple[int, int]:
-        """(estimated peak M, region where it occurs) for `decisions`."""
-        n = len(self.regions)
-        kept = [0] * n
-        swapped = [0] * n
-        for a in self.profile.activations:
-            d = decisions[a.key]
-            r = self.region_of[a.key]
-            if d is Decision.KEEP:
-                kept[r] += a.bytes
-            elif d is Decision.SWAP:
-                swapped[r] += a.bytes
-        best, where, below = -1, 0, 0
-        for r in range(n):
-            m = below + self.bytes[r] + (swapped[r - 1] if r else 0)
-            if m > best:
-                best, where = m, r
-            below += kept[r]
-        return best, where
+def draft_schedule(profile: StepProfile, decisions: dict[str, Decision]) -> Schedule:
+    """The schedule of `decisions` with every prefetch at the end of forward: its compute stream is
+    the plan's whatever the triggers (they only change copy-in waits; see plan.retrigger)."""
+    return lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft"))
 
 
 def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share,
@@ -141,7 +123,7 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
     if not any(d is Decision.SWAP for d in decisions.values()):
         return {}
     if draft is None:
-        draft = lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft"))
+        draft = draft_schedule(profile, decisions)
     sch = draft
     # Stall-free compute timeline: start/end of each compute instruction.
     t, start, bwd_end = 0.0, {}, []  # bwd_end: (end time, op index) in backward order
@@ -184,10 +166,6 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
 LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when prefetches stall compute
 
 
-def simulate_plan(profile: StepProfile, plan: Plan, hw: Hardware) -> SimResult:
-    return simulate(lower(profile, plan), hw, budget_bytes=plan.budget_bytes, record=False)
-
-
 def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
                   share: Share, planner: str, version: str = "1") -> tuple[Plan | None, int]:
     """The fastest feasible plan over the prefetch margins in LEADS (stopping at the first that
@@ -197,7 +175,7 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
     rank_hw = share.limit(hw)
     draft = None
     if any(d is Decision.SWAP for d in decisions.values()):
-        draft = lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft"))
+        draft = draft_schedule(profile, decisions)
     for lead in LEADS if draft is not None else (0,):
         triggers = alap_triggers(profile, decisions, hw, share, lead=lead, draft=draft)
         plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
@@ -225,12 +203,3 @@ def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardwa
             f"{planner}: its plan peaks at {budget_bytes + overshoot:,} B, over the budget of {budget_bytes:,} B"
         )
     return plan
-
-
-def floor_bytes(profile: StepProfile) -> int:
-    """Bytes no plan can avoid at the backward start of some region: non-recomputable tensors that
-    cannot be swapped in time are a planner matter; this is the hard floor max_r bytes(r)."""
-    per = {}
-    for a in profile.activations:
-        per[profile.region_of(a)] = per.get(profile.region_of(a), 0) + a.bytes
-    return max(per.values(), default=0)

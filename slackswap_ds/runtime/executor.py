@@ -40,7 +40,7 @@ from ..profile import StepProfile
 from .device import Device
 from .host_pool import HostPool
 from .timeline import MeasuredStep, Timeline
-from .tracing import _FREE_OPS, StepTracer, _in_backward, _reads_only_shapes, _storage_ptr
+from .tracing import _FREE_OPS, StepTracer, _in_backward, _storage_ptr
 
 log = logging.getLogger(__name__)
 

@@ -176,7 +176,7 @@ class StepTracer(TorchDispatchMode):
 
     # ---- saved tensors -----------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        sid = self._note_save(t)
+        self._note_save(t)
         return t
 
     def _unpack(self, packed):
