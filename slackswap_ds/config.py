@@ -234,9 +234,18 @@ class SlackSwapConfig(BaseModel):
         None,
         description="Node topology shared by the ranks of one machine: a node preset from `configs/hardware/` "
         "(`dgx-a100`: 8 GPUs, 2 per PCIe switch) or a path to a node JSON file. Each rank then plans with its "
-        "share of its switch uplink and of `host_pool_bytes_per_node`. `null`: every rank plans as if its "
-        "host link were its own.",
+        "share of its switch uplink and of `host_pool_bytes_per_node`. `null`: discover which GPUs share a "
+        "host uplink (NVML, then sysfs PCI paths, then `nvidia-smi topo -m`; a shared uplink is taken to be as "
+        "fast as one GPU's link); where nothing can be discovered (no CUDA), every rank has its own link.",
         json_schema_extra=_doc("node preset, path or null", "dgx-a100"),
+    )
+    ranks_per_node: int | None = Field(
+        None,
+        ge=1,
+        description="Group consecutive ranks into nodes of this many ranks, instead of by host (MPI "
+        "`COMM_TYPE_SHARED`, or host name under torch.distributed): for tests and launchers that run several "
+        "nodes' worth of ranks on one host. `null`: group by host.",
+        json_schema_extra=_doc("integer >= 1 or null", 2),
     )
     plan_file: str | None = Field(
         None,

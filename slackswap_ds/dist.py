@@ -1,37 +1,41 @@
-"""Node coordination over MPI (mpi4py): which ranks share a node and a switch, each rank's share of
-the node's PCIe uplinks and pinned pool, and one agreed plan for data-parallel replicas.
+"""Node coordination: which ranks share a node and a host uplink, each rank's share of the node's
+PCIe uplinks and pinned pool, and the one Share a plan for every replica must fit.
 
-Agreement protocol (point to point, so a dead or stuck rank is *named*, never waited on forever):
-
-    rank 0  -> every rank   payload: rank 0's profile and plan, canonical JSON bytes (no pickle)
-    rank r  -> rank 0       report: does the plan fit r's own step? and the digest r received
-    rank 0  -> every rank   verdict: "ok", or the error text naming the ranks at fault
-
-Every wait polls a non-blocking request against one deadline (`timeout_s`). A rank that never
-sends its report is named by rank 0; if rank 0 itself is gone, the others name it.
+Ranks on one node are grouped by MPI (`COMM_TYPE_SHARED`) under MPI launchers, by host name over
+torch.distributed otherwise, or by `ranks_per_node` (consecutive ranks; for tests and launchers that
+run several "nodes" on one host). Before planning, every rank sends every other its `RankFacts`
+(node, host uplink, demand) with `agreement.exchange`; every rank then computes every rank's Share
+the same way (`shares_of`), and rank 0 plans with the tightest of them (`tightest`), so the one plan
+of the data-parallel replicas fits each of their links and pools.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import asdict, dataclass
+from typing import Sequence
 
 import numpy as np
 
-from .errors import PlanError, SlackSwapError
-from .hardware import Node
-from .plan import Plan
+from .hardware import Hardware
 from .planners.common import Share
-from .profile import StepProfile
-
-_FITS, _OTHER_STEP, _PLAN_UNFIT = 1, 2, 3  # a rank's report on the plan it received
-_TAG_SIZE, _TAG_PAYLOAD, _TAG_REPORT, _TAG_VERDICT_SIZE, _TAG_VERDICT = 7101, 7102, 7103, 7104, 7105
 
 
-class AgreementError(SlackSwapError):
-    """Ranks that must run the same plan do not agree, or did not answer in time."""
+@dataclass(frozen=True)
+class RankFacts:
+    """What a rank tells the others before planning."""
+
+    node: str  # ranks with equal `node` share host memory and switches
+    uplink: int  # its GPU's host uplink on that node (topology.Topology.uplink_of)
+    demand: int  # bytes it may want to pin: its activations above the budget
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "RankFacts":
+        d = json.loads(data.decode())
+        return cls(str(d["node"]), int(d["uplink"]), int(d["demand"]))
 
 
 @dataclass(frozen=True)
@@ -69,120 +73,44 @@ def node_layout(comm=None, ranks_per_node: int | None = None) -> tuple[Layout, o
     return Layout(rank, world, node, node_ranks.index(rank), node_ranks), local
 
 
-def node_shares(node: Node, local_size: int, demands: list[int], host_pool_bytes: int | None) -> list[Share]:
-    """Each local rank's Share of its node: the switch uplink split evenly among the ranks behind
-    that switch (capped by the GPU's own rates), and the pinned pool split by demand (what each
-    rank would swap): everyone gets its demand when they fit, else pool * demand / total demand."""
-    if len(demands) != local_size:
-        raise ValueError(f"need one demand per local rank ({local_size}), got {len(demands)}")
-    shares = []
-    per_switch = node.gpus_per_switch
-    for local_rank in range(local_size):
-        switch = local_rank // per_switch
-        on_switch = min(per_switch, local_size - switch * per_switch)
-        link = node.switch_uplink_bps / on_switch
-        shares.append(Share(min(node.gpu.d2h_bps, link), min(node.gpu.h2d_bps, link), None))
+def node_shares(uplinks: Sequence[int], demands: Sequence[int], hw: Hardware, uplink_bps: float,
+                host_pool_bytes: int | None) -> list[Share]:
+    """Each local rank's Share of one node, given its uplink and demand: an uplink's rate split
+    evenly among the ranks on it (capped by the GPU's own rates), and the pinned pool split by
+    demand: everyone gets its demand when they all fit, else pool * demand / total demand."""
+    if len(uplinks) != len(demands):
+        raise ValueError(f"need one demand per local rank ({len(uplinks)}), got {len(demands)}")
+    if any(d < 0 for d in demands):
+        raise ValueError(f"demands must be >= 0 bytes, got {list(demands)}")
+    pools: list[int | None] = [None] * len(demands)
     if host_pool_bytes is not None:
         total = sum(demands)
-        pools = list(demands) if total <= host_pool_bytes else \
-            [host_pool_bytes * d // total for d in demands]
-        shares = [Share(s.d2h_bps, s.h2d_bps, int(p)) for s, p in zip(shares, pools)]
+        pools = list(demands) if total <= host_pool_bytes else [host_pool_bytes * d // total for d in demands]
+    shares = []
+    for uplink, pool in zip(uplinks, pools):
+        link = uplink_bps / sum(1 for u in uplinks if u == uplink)
+        shares.append(Share(min(hw.d2h_bps, link), min(hw.h2d_bps, link), None if pool is None else int(pool)))
     return shares
 
 
-def agree(comm, local: StepProfile, plan: Plan | None, timeout_s: float,
-          on_receive: Callable[[Plan], Plan] | None = None) -> tuple[StepProfile, Plan]:
-    """Rank 0's profile and plan on every rank of `comm` (see the module docstring).
-    `on_receive` lets a test tamper with what a rank received."""
-    from mpi4py import MPI
-
-    rank, world = comm.Get_rank(), comm.Get_size()
-    deadline = time.monotonic() + timeout_s
-    if world == 1:
-        return local, plan
-    if rank == 0:
-        payload = json.dumps({"profile": local.to_json(), "plan": plan.to_json()}).encode()
-        body = np.frombuffer(payload, dtype=np.uint8)
-        size = np.array([body.size], dtype=np.int64)
-        sends = [comm.Isend([size, MPI.INT64_T], dest=r, tag=_TAG_SIZE) for r in range(1, world)]
-        sends += [comm.Isend([body, MPI.BYTE], dest=r, tag=_TAG_PAYLOAD) for r in range(1, world)]
-        reports = {}
-        bufs = {r: np.zeros(65, dtype=np.uint8) for r in range(1, world)}
-        reqs = {r: comm.Irecv([bufs[r], MPI.BYTE], source=r, tag=_TAG_REPORT) for r in range(1, world)}
-        while reqs and time.monotonic() < deadline:
-            for r in [r for r, q in reqs.items() if q.Test()]:
-                reports[r] = bufs[r]
-                del reqs[r]
-            time.sleep(0.001)
-        for q in reqs.values():
-            q.Cancel()
-        problems = []
-        if reqs:
-            problems.append(f"ranks {sorted(reqs)} did not report within sync_timeout_s={timeout_s:g} "
-                            f"(exited or stuck before plan agreement)")
-        other_step = sorted(r for r, b in reports.items() if b[0] == _OTHER_STEP)
-        if other_step:
-            problems.append(f"ranks {other_step} run a different step than rank 0 (saved-tensor names or "
-                            f"bytes differ): they cannot share its plan")
-        unfit = sorted(r for r, b in reports.items() if b[0] == _PLAN_UNFIT)
-        if unfit:
-            problems.append(f"ranks {unfit} received a plan that does not fit rank 0's own profile")
-        mismatch = sorted(r for r, b in reports.items() if bytes(b[1:]).decode() != plan.digest)
-        if mismatch:
-            problems.append(f"ranks {mismatch} hold a plan whose digest differs from rank 0's "
-                            f"{plan.digest[:12]} (corrupted or tampered in transit)")
-        verdict = ("ok" if not problems else "; ".join(problems)).encode()
-        vbody = np.frombuffer(verdict, dtype=np.uint8)
-        vsize = np.array([vbody.size], dtype=np.int64)
-        alive = [r for r in range(1, world) if r in reports]
-        vsends = [comm.Isend([vsize, MPI.INT64_T], dest=r, tag=_TAG_VERDICT_SIZE) for r in alive]
-        vsends += [comm.Isend([vbody, MPI.BYTE], dest=r, tag=_TAG_VERDICT) for r in alive]
-        _wait_all(sends + vsends, deadline + timeout_s, "rank 0: sending the plan", cancel=True)
-        if problems:
-            raise AgreementError("plan agreement failed: " + "; ".join(problems))
-        return local, plan
-
-    size = np.zeros(1, dtype=np.int64)
-    _wait_all([comm.Irecv([size, MPI.INT64_T], source=0, tag=_TAG_SIZE)], deadline,
-              f"rank {rank}: rank 0 did not send a plan within sync_timeout_s={timeout_s:g}")
-    body = np.zeros(int(size[0]), dtype=np.uint8)
-    _wait_all([comm.Irecv([body, MPI.BYTE], source=0, tag=_TAG_PAYLOAD)], deadline,
-              f"rank {rank}: rank 0's plan did not arrive within sync_timeout_s={timeout_s:g}")
-    data = json.loads(body.tobytes().decode())
-    profile = StepProfile.from_json(data["profile"])
-    received = Plan.from_json(data["plan"])
-    if on_receive is not None:
-        received = on_receive(received)
-    status = _FITS if profile.structure_digest == local.structure_digest else _OTHER_STEP
-    try:
-        received.check(profile)
-    except PlanError:
-        status = _PLAN_UNFIT
-    report = np.frombuffer(bytes([status]) + received.digest.encode(), dtype=np.uint8).copy()
-    _wait_all([comm.Isend([report, MPI.BYTE], dest=0, tag=_TAG_REPORT)], deadline,
-              f"rank {rank}: rank 0 did not take this rank's report within sync_timeout_s={timeout_s:g}")
-    vsize = np.zeros(1, dtype=np.int64)
-    _wait_all([comm.Irecv([vsize, MPI.INT64_T], source=0, tag=_TAG_VERDICT_SIZE)], deadline + timeout_s,
-              f"rank {rank}: no verdict from rank 0 within sync_timeout_s={timeout_s:g}")
-    vbody = np.zeros(int(vsize[0]), dtype=np.uint8)
-    _wait_all([comm.Irecv([vbody, MPI.BYTE], source=0, tag=_TAG_VERDICT)], deadline + timeout_s,
-              f"rank {rank}: no verdict from rank 0 within sync_timeout_s={timeout_s:g}")
-    verdict = vbody.tobytes().decode()
-    if verdict != "ok":
-        raise AgreementError(f"plan agreement failed (verdict of rank 0): {verdict}")
-    return profile, received
+def shares_of(facts: Sequence[RankFacts], hw: Hardware, uplink_bps: float,
+              host_pool_bytes_per_node: int | None) -> list[Share]:
+    """Every rank's Share, in rank order: node_shares over the ranks of each node."""
+    shares: list[Share | None] = [None] * len(facts)
+    for node in dict.fromkeys(f.node for f in facts):
+        ranks = [r for r, f in enumerate(facts) if f.node == node]
+        per_rank = node_shares([facts[r].uplink for r in ranks], [facts[r].demand for r in ranks], hw, uplink_bps,
+                               host_pool_bytes_per_node)
+        for r, s in zip(ranks, per_rank):
+            shares[r] = s
+    return shares
 
 
-def _wait_all(requests: list, deadline: float, message: str, cancel: bool = False) -> None:
-    pending = list(requests)
-    while pending:
-        pending = [q for q in pending if not q.Test()]
-        if not pending:
-            return
-        if time.monotonic() > deadline:
-            if cancel:
-                for q in pending:
-                    q.Cancel()
-                return
-            raise AgreementError(message)
-        time.sleep(0.001)
+def tightest(shares: Sequence[Share]) -> Share:
+    """The Share every rank can honour: the least link rate and pool of any (None = unlimited)."""
+    def least(values):
+        known = [v for v in values if v is not None]
+        return min(known) if known else None
+
+    return Share(least(s.d2h_bps for s in shares), least(s.h2d_bps for s in shares),
+                 least(s.host_pool_bytes for s in shares))

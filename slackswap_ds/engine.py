@@ -8,9 +8,16 @@ Lifecycle, driven by the engine's own forward and backward (the user's loop does
     later steps                run under the executor of their input shapes; new shapes are
                                profiled and planned on their step (replan = "on_shape_change")
 
-Agreement: rank 0 broadcasts its profile and plan as canonical JSON (no pickle); every rank checks
-that the profile's structure (names and bytes, not times) equals its own and that the plan fits,
-then all ranks run the same plan. A disagreement is an error naming the ranks.
+Planning a shape, on every rank at the same step:
+    1. node facts  every rank sends every other its node, host uplink and demand (dist.RankFacts);
+                   each computes every rank's Share of its node (uplink split among the ranks on it,
+                   pinned pool split by demand); its own sizes its host pool
+    2. plan        rank 0 plans with the tightest Share of any rank, so the one plan fits every replica
+    3. agreement   rank 0 sends its profile and plan as canonical JSON (no pickle); every rank checks
+                   that the profile's structure (names and bytes, not times) equals its own and that
+                   the plan fits; rank 0's verdict names the ranks at fault (agreement.py)
+Both exchanges go over MPI under MPI launchers, else over the torch.distributed store, each with a
+deadline (`sync_timeout_s`): a dead or stuck rank is named, never waited on forever.
 """
 
 from __future__ import annotations
@@ -24,10 +31,10 @@ from typing import Any
 
 import torch
 
+from .agreement import AgreementError  # noqa: F401  (re-exported: callers catch it from here)
 from .config import SlackSwapConfig, load_config
-from .errors import PlanError, SlackSwapError
+from .errors import PlanError
 from .hardware import Hardware, load_hardware
-from .planners.common import Share
 from .plan import Decision, Plan, lower
 from .profile import StepProfile
 from .simulator import simulate
@@ -43,10 +50,6 @@ def _setup_logging(level: str) -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
-
-
-class AgreementError(SlackSwapError):
-    """Ranks that must run the same plan do not agree."""
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -125,8 +128,10 @@ class SlackSwapRuntime:
     active_key: tuple | None = None
     last_stats: Any = None  # StepStats of the last step run under a plan
     active_plan: Plan | None = None  # the plan of that step
-    share: Any = None  # this rank's planning Share (link rates, pool bytes)
+    share: Any = None  # this rank's Share of its node (link rates, pool bytes), set when planning
+    plan_share: Any = None  # the Share rank 0 planned with: the tightest of all ranks'
     sync: str = "torch"  # how ranks agree: "mpi" or "torch" (resolved from the config's "auto")
+    channel: Any = None  # the agreement.Channel of this job, made on first use
     pool: Any = None  # one HostPool for every shape's executor
     _was_active: bool = False
 
@@ -134,28 +139,13 @@ class SlackSwapRuntime:
         engine = self.engine
         self.module = engine.module
         self.hw = resolve_hardware(self.cfg.hardware)
-        # the node's pinned pool, split evenly among its ranks (node coordination will split by demand)
-        # ranks on this node: torchrun and our MPI shim set LOCAL_WORLD_SIZE, DeepSpeed's launcher LOCAL_SIZE
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)
-        node_pool = self.cfg.host_pool_bytes_per_node
-        self.pool_bytes = None if node_pool is None else node_pool // max(1, local)
-        self.share = Share(host_pool_bytes=self.pool_bytes)
-        if self.cfg.node is not None:
-            # this rank's share of its switch uplink and of the node's pool; data-parallel replicas
-            # run the same model, so their demands are equal and the pool splits evenly
-            from .dist import node_shares
-            from .hardware import load_node
-
-            node = load_node(self.cfg.node)
-            local_rank = int(os.environ.get("LOCAL_RANK") or 0) % max(1, local)
-            each_wants_all = [node_pool or 1] * max(1, local)  # equal demands: an even split of the pool
-            self.share = node_shares(node, max(1, local), each_wants_all, node_pool)[local_rank]
+        self.topology, self.uplink_bps = self._topology()
         self.sync = self.cfg.sync
         if self.sync == "auto":
             # MPI when the job was launched by an MPI launcher (MPICH/Hydra or Open MPI set these)
             launched = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
             self.sync = "mpi" if launched and _has_mpi4py() else "torch"
-        log.debug("slackswap: plans agreed over %s", "MPI" if self.sync == "mpi" else "torch.distributed")
+        log.debug("slackswap: plans agreed over %s; host uplinks from %s", self._via(), self.topology.source)
         forward, backward = engine.forward, engine.backward
 
         def slackswap_forward(*args, **kwargs):
@@ -226,32 +216,29 @@ class SlackSwapRuntime:
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
     def _make_plan(self, state: _ShapeState, local: StepProfile) -> None:
+        from .agreement import agree
         from .planners import get_planner
         from .runtime.executor import apply
 
-        rank, world = _rank_world()
+        channel = self._channel()
+        rank = channel.rank
+        budget = self.cfg.budget_for(local.total_bytes)
+        self._coordinate(channel, local, budget)
         plan = None
         if rank == 0:
-            plan = self._load_plan(local) or get_planner(self.cfg.planner)(
-                local, self.hw, self.cfg.budget_for(local.total_bytes), self.share)
+            plan = self._load_plan(local) or get_planner(self.cfg.planner)(local, self.hw, budget, self.plan_share)
             if self.cfg.plan_file:
                 plan.save(self.cfg.plan_file)
-        if self.sync == "mpi":
-            from mpi4py import MPI
-
-            from .dist import agree as agree_mpi
-
-            profile, plan = agree_mpi(MPI.COMM_WORLD, local, plan, self.cfg.sync_timeout_s)
-        else:
-            profile, plan = agree(local, plan, rank, world, self.cfg.sync_timeout_s)
+        profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
         state.profile, state.plan = profile, plan
         from .runtime.device import Device
         from .runtime.host_pool import HostPool
 
         if self.pool is None:
-            self.pool = HostPool(self.pool_bytes, Device.current())
+            self.pool = HostPool(self.share.host_pool_bytes, Device.current())
         state.executor = apply(self.module, plan, profile, pool=self.pool)
-        sim = simulate(lower(profile, plan), self.hw, budget_bytes=plan.budget_bytes, record=False)
+        rank_hw = self.share.limit(self.hw)  # this rank's link as shared with its neighbours
+        sim = simulate(lower(profile, plan), rank_hw, budget_bytes=plan.budget_bytes, record=False)
         from .planners import keep_all_result
 
         ideal = keep_all_result(profile, self.hw).step_s
@@ -259,15 +246,17 @@ class SlackSwapRuntime:
         split = plan.bytes_by_decision(profile)
         log.info(
             "slackswap rank %d: budget %s B of %s B keep-all; keep %s B, swap %s B, recompute %s B; "
-            "planner %s on %s predicts %.1f%% of ideal throughput; plan %s agreed over %s",
+            "planner %s on %s (link share D2H %.1f / H2D %.1f GB/s) predicts %.1f%% of ideal throughput; "
+            "plan %s agreed over %s",
             rank, f"{plan.budget_bytes:,}", f"{profile.total_bytes:,}", f"{split[Decision.KEEP]:,}",
             f"{split[Decision.SWAP]:,}", f"{split[Decision.RECOMPUTE]:,}", plan.planner, self.hw.name,
-            100 * state.predicted_throughput, plan.digest[:12], "MPI" if self.sync == "mpi" else "torch.distributed")
+            rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, 100 * state.predicted_throughput, plan.digest[:12],
+            self._via())
         if self.cfg.trace_file and rank == 0:
             from .report import write_trace
 
             # the prediction now; the first measured step replaces it (same format, see _after_backward)
-            res = simulate(lower(profile, plan), self.hw, budget_bytes=plan.budget_bytes)
+            res = simulate(lower(profile, plan), rank_hw, budget_bytes=plan.budget_bytes)
             write_trace(res, self._trace_path("predicted"), title=f"slackswap plan {plan.digest[:12]} (predicted)",
                         budget_bytes=plan.budget_bytes)
             state.executor.record = True
@@ -295,6 +284,80 @@ class SlackSwapRuntime:
                           planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
                           blocking=plan.blocking)
 
+    # ---- node coordination -------------------------------------------------------------------
+    def _via(self) -> str:
+        return "MPI" if self.sync == "mpi" else "torch.distributed"
+
+    def _topology(self):
+        """(this node's Topology, the rate of one host uplink per direction): the config's node
+        preset; else discovered on a CUDA machine; else (no CUDA) every GPU its own link."""
+        from . import topology
+        from .hardware import load_node
+
+        if self.cfg.node is not None:
+            node = load_node(self.cfg.node)
+            return topology.from_node(node), node.switch_uplink_bps
+        link = max(self.hw.d2h_bps, self.hw.h2d_bps)  # a discovered uplink: as fast as one GPU's link
+        if torch.cuda.is_available():
+            found = topology.discover(_pci_bus_ids())
+            if found.source.startswith("default"):
+                log.info("slackswap: host uplinks not discovered (%s); every GPU plans with its own link", found.source)
+            return found, link
+        return topology.default(int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or 1)), link
+
+    def _channel(self):
+        """The job's agreement channel: MPI or the torch.distributed store; one rank: no channel."""
+        if self.channel is None:
+            import torch.distributed as dist
+
+            from .agreement import Solo
+            from .channels import MpiChannel, StoreChannel
+
+            if self.sync == "mpi":
+                self.channel = MpiChannel()
+            elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                self.channel = StoreChannel()
+            else:
+                self.channel = Solo()
+        return self.channel
+
+    def _node_key(self, rank: int) -> str:
+        """Ranks with equal keys share a node: by `ranks_per_node`, by MPI shared memory, or by host."""
+        import socket
+
+        if self.cfg.ranks_per_node:
+            return f"group {rank // self.cfg.ranks_per_node}"
+        if self.sync == "mpi":
+            if getattr(self, "_mpi_node", None) is None:
+                from .dist import node_layout
+
+                self._mpi_node = node_layout()[0].node  # COMM_TYPE_SHARED (a collective: every rank plans now)
+            return f"mpi node {self._mpi_node}"
+        return socket.gethostname()
+
+    def _gpu(self) -> int:
+        """This rank's GPU on its node: the CUDA device, else the local rank."""
+        if torch.cuda.is_available():
+            return torch.cuda.current_device()
+        return int(os.environ.get("LOCAL_RANK") or 0)
+
+    def _coordinate(self, channel, local: StepProfile, budget: int) -> None:
+        """Tell every rank this rank's node, uplink and demand; from everyone's, set this rank's
+        Share of its node (`share`, which sizes its host pool) and the tightest (`plan_share`)."""
+        from .agreement import exchange
+        from .dist import RankFacts, shares_of, tightest
+
+        gpu = self._gpu()
+        facts = RankFacts(node=self._node_key(channel.rank), uplink=self.topology.uplink_of[gpu % self.topology.gpus],
+                          demand=max(0, local.total_bytes - budget))
+        everyone = [RankFacts.from_bytes(b) for b in exchange(channel, "facts", facts.to_bytes(), self.cfg.sync_timeout_s,
+                                                              "node facts (node, uplink, demand)")]
+        shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node)
+        self.share, self.plan_share = shares[channel.rank], tightest(shares)
+        node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
+        log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
+                  facts.node, node_ranks, facts.uplink, self.topology.source, self.share, self.plan_share)
+
 
 def _has_mpi4py() -> bool:
     try:
@@ -304,61 +367,12 @@ def _has_mpi4py() -> bool:
     return True
 
 
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def agree(local: StepProfile, plan: Plan | None, rank: int, world: int, timeout_s: float) -> tuple[StepProfile, Plan]:
-    """Rank 0's profile and plan on every rank, after every rank checked that they fit its own step
-    (torch.distributed; MPI comes with node coordination)."""
-    if world == 1:
-        return local, plan
-    import datetime
-
-    import torch.distributed as dist
-
-    if dist.get_backend() == "gloo":  # names the ranks that did not arrive, instead of hanging
-        try:
-            dist.monitored_barrier(timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
-        except RuntimeError as e:
-            raise AgreementError(f"plan agreement: not every rank arrived within sync_timeout_s={timeout_s}: {e}") from e
-    payload = json.dumps({"profile": local.to_json(), "plan": plan.to_json()}) if rank == 0 else ""
-    text = _broadcast_text(payload, dist)
-    data = json.loads(text)
-    profile = StepProfile.from_json(data["profile"])
-    plan = Plan.from_json(data["plan"])
-    ok = profile.structure_digest == local.structure_digest
-    try:
-        plan.check(profile)
-    except PlanError:
-        ok = False
-    dev = _comm_device(dist)
-    flags = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
-    gathered = [torch.zeros(1, dtype=torch.int32, device=dev) for _ in range(world)]
-    dist.all_gather(gathered, flags)
-    bad = [r for r, f in enumerate(gathered) if int(f) == 0]
-    if bad:
-        raise AgreementError(
-            f"ranks {bad} run a different step than rank 0 (saved-tensor names or bytes differ), so they "
-            f"cannot share its plan; make every data-parallel rank run the same model on the same shapes"
-        )
-    return profile, plan
-
-
-def _comm_device(dist) -> torch.device:
-    """NCCL moves only device tensors; gloo (the CPU accelerator's ccl/gloo) host ones."""
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
-def _broadcast_text(text: str, dist) -> str:
-    dev = _comm_device(dist)
-    raw = torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
-    size = torch.tensor([raw.numel()], dtype=torch.int64, device=dev)
-    dist.broadcast(size, src=0)
-    buf = raw.to(dev) if dist.get_rank() == 0 else torch.zeros(int(size), dtype=torch.uint8, device=dev)
-    dist.broadcast(buf, src=0)
-    return bytes(buf.cpu().numpy().tobytes()).decode()
+def _pci_bus_ids() -> list[str] | None:
+    """PCI bus ids of the visible CUDA devices, in ordinal order (None if torch does not say)."""
+    ids = []
+    for i in range(torch.cuda.device_count()):
+        p = torch.cuda.get_device_properties(i)
+        if not all(hasattr(p, a) for a in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+            return None
+        ids.append(f"{p.pci_domain_id:04x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0")
+    return ids

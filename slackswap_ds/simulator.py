@@ -83,13 +83,25 @@ def simulate(schedule: Schedule, hardware: Hardware | Node, *, budget_bytes: int
 
 
 def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | list[int] | None = None,
-                  ideal_s: float = math.nan, record: bool = True) -> SimResult:
-    """Simulate one step on the first len(schedules) GPUs of `node`, all starting together.
+                  ideal_s: float = math.nan, record: bool = True, start_s: list[float] | None = None) -> SimResult:
+    """Simulate one step on the first len(schedules) GPUs of `node`, all starting together unless
+    `start_s` gives each GPU a start offset (seconds >= 0; default all 0): GPU g then starts all its
+    streams at start_s[g]. Step times count from 0, so they include the offset (data-parallel ranks
+    synchronise at the end of the step).
 
     The result's step time and peak are the maxima over GPUs; `per_gpu` holds each GPU's own."""
     n = len(schedules)
     if not 1 <= n <= node.gpus:
         raise SimulationError(f"node {node.name!r} has {node.gpus} GPUs; got {n} schedules")
+    if start_s is None:
+        start = [0.0] * n
+    else:
+        start = [float(d) for d in start_s]
+        if len(start) != n:
+            raise SimulationError(f"start_s has {len(start)} offsets for {n} schedules")
+        bad = [d for d in start if not (0.0 <= d < math.inf)]
+        if bad:
+            raise SimulationError(f"start_s offsets must be finite and >= 0; got {bad}")
     budgets = budget_bytes if isinstance(budget_bytes, list) else [budget_bytes] * n
     hw = node.gpu
 
@@ -102,13 +114,13 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
     done = [bytearray(len(s.instrs)) for s in schedules]
     running: list[list[object]] = [[None, None, None] for _ in range(n)]  # compute: end time; copy: _Transfer
     started_at = [[0.0, 0.0, 0.0] for _ in range(n)]
-    waiting_since = [[0.0, 0.0, 0.0] for _ in range(n)]
+    waiting_since = [[start[g]] * 3 for g in range(n)]
     stall = [[0.0, 0.0, 0.0] for _ in range(n)]
     mem = [0] * n
     peak = [0] * n
     moved = [[0, 0] for _ in range(n)]
     rec_s = [0.0] * n
-    finish = [0.0] * n
+    finish = list(start)  # a GPU with nothing to do ends when it starts
     events: list[SimEvent] = []
     memory: list[tuple[int, float, int]] = [(g, 0.0, 0) for g in range(n)] if record else []
     sizes = [s.act_bytes for s in schedules]
@@ -119,6 +131,8 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
         nonlocal rates_dirty
         started = False
         for g in range(n):
+            if t < start[g]:
+                continue
             sch, q, h, run = schedules[g].instrs, queues[g], heads[g], running[g]
             for s in (_COMPUTE, _D2H, _H2D):
                 if run[s] is not None or h[s] >= len(q[s]):
@@ -161,6 +175,9 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
                     te = t + r.bytes_left / r.rate if r.rate > 0 else math.inf
                 if te < t_next:
                     t_next = te
+        for d in start:  # a GPU that has not started yet
+            if t < d < t_next:
+                t_next = d
         if t_next == math.inf:
             if all(heads[g][s] >= len(queues[g][s]) for g in range(n) for s in range(3)):
                 break

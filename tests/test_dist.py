@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from slackswap_ds.dist import node_shares
+from slackswap_ds.dist import RankFacts, node_shares, shares_of, tightest
 from slackswap_ds.hardware import load_node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,8 +66,32 @@ def test_a_tampered_plan_is_detected_and_named():
 
 def test_pool_shares_fit_when_demand_is_below_the_pool():
     node = load_node("dgx-a100")
-    shares = node_shares(node, 4, [100, 200, 300, 400], 10_000)
+    shares = node_shares([0, 0, 1, 1], [100, 200, 300, 400], node.gpu, node.switch_uplink_bps, 10_000)
     assert [s.host_pool_bytes for s in shares] == [100, 200, 300, 400]
     assert [s.d2h_bps for s in shares] == [node.switch_uplink_bps / 2] * 4
-    odd = node_shares(node, 3, [1, 1, 1], None)  # the third rank has its switch to itself
+    odd = node_shares([0, 0, 1], [1, 1, 1], node.gpu, node.switch_uplink_bps, None)  # the third: a switch to itself
     assert odd[2].d2h_bps == min(node.gpu.d2h_bps, node.switch_uplink_bps)
+    assert odd[2].host_pool_bytes is None
+
+
+def test_shares_are_computed_per_node_and_the_plan_fits_the_tightest_rank():
+    node = load_node("dgx-a100")
+    # node "a": ranks 0, 1 behind one switch; node "b": rank 2 alone on its switch, rank 3 too
+    facts = [RankFacts("a", 0, 600), RankFacts("a", 0, 200), RankFacts("b", 0, 100), RankFacts("b", 1, 100)]
+    shares = shares_of(facts, node.gpu, node.switch_uplink_bps, 400)
+    assert [s.d2h_bps for s in shares] == [node.switch_uplink_bps / 2] * 2 + [min(node.gpu.d2h_bps, node.switch_uplink_bps)] * 2
+    assert [s.host_pool_bytes for s in shares] == [300, 100, 100, 100]  # node a: over its pool, split 3:1
+    least = tightest(shares)
+    assert (least.d2h_bps, least.h2d_bps, least.host_pool_bytes) == (node.switch_uplink_bps / 2,
+                                                                    node.switch_uplink_bps / 2, 100)
+    assert tightest([shares[2], type(shares[2])()]).host_pool_bytes == 100  # a Share() without a pool: unlimited
+
+
+def test_rank_facts_round_trip_and_bad_demands_are_refused():
+    f = RankFacts("host-1", 3, 12345)
+    assert RankFacts.from_bytes(f.to_bytes()) == f
+    node = load_node("dgx-a100")
+    with pytest.raises(ValueError, match="one demand per local rank"):
+        node_shares([0, 0], [1], node.gpu, 1e9, None)
+    with pytest.raises(ValueError, match=">= 0"):
+        node_shares([0], [-1], node.gpu, 1e9, None)

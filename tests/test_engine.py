@@ -145,20 +145,19 @@ def test_new_input_shapes_are_profiled_and_planned_on_their_own():
     assert runtime.active_plan is short  # the last step (seq 16) ran under its own shape's plan
 
 
-def test_node_topology_gives_each_rank_its_share(monkeypatch):
+def test_node_topology_comes_from_the_config_else_each_rank_has_its_own_link(monkeypatch):
     import torch
 
     from slackswap_ds.hardware import load_node
 
-    monkeypatch.setenv("LOCAL_SIZE", "8")
-    monkeypatch.setenv("LOCAL_RANK", "3")
     node = load_node("dgx-a100")
     cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4", "node": "dgx-a100",
                                      "host_pool_bytes_per_node": "64GiB"}})
     runtime = SlackSwapRuntime(_EngineShim(torch.nn.Linear(2, 2)), cfg)
     runtime.attach()
-    assert runtime.share.d2h_bps == node.switch_uplink_bps / 2  # rank 3 shares its switch with rank 2
-    assert runtime.share.host_pool_bytes == 64 * 2**30 // 8
+    assert runtime.topology.uplink_of == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert runtime.uplink_bps == node.switch_uplink_bps
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # no node, no CUDA to discover it with: a link per rank
     private = SlackSwapRuntime(_EngineShim(torch.nn.Linear(2, 2)), load_config({"slackswap": {"hardware": "a100-80g-pcie4"}}))
     private.attach()
-    assert private.share.d2h_bps is None  # no node: the GPU's own link
+    assert private.topology.uplink_of == (0, 1) and private.topology.source.startswith("default")

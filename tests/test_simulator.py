@@ -155,3 +155,81 @@ def test_node_needs_enough_gpus():
     p = two_region_profile()
     with pytest.raises(SimulationError, match="has 1 GPUs"):
         simulate_node([lower(p, make_plan(p))] * 2, Node.single(toy_hardware()))
+
+
+# ---- start offsets (start_s) --------------------------------------------------------------------
+def pair_node(hw):
+    """Two GPUs behind one switch whose uplink carries one GPU's full copy rate."""
+    return Node("pair", hw, gpus=2, gpus_per_switch=2, switches_per_socket=1, switch_uplink_bps=10,
+                socket_mem_bps=1e9, host_bytes=1e9)
+
+
+def swap_schedule(p):
+    return lower(p, make_plan(p, r0_x="swap", prefetch={"r0:x": "r1:0:a"}))
+
+
+def test_zero_offsets_give_the_same_result_as_none():
+    p = two_region_profile()
+    node = pair_node(toy_hardware(d2h=10, h2d=10, duplex_d2h=10, duplex_h2d=10))
+    sch = swap_schedule(p)
+    base = simulate_node([sch, sch], node, budget_bytes=60, ideal_s=12.0)
+    assert simulate_node([sch, sch], node, budget_bytes=60, ideal_s=12.0, start_s=[0.0, 0.0]) == base
+
+
+def test_zero_offsets_give_the_same_result_on_a_dgx(a100):
+    from slackswap_ds.hardware import load_node
+    from slackswap_ds.planners import PLANNERS, Share, resolve_budget
+    from slackswap_ds.workloads import workload
+
+    node = load_node("dgx-a100")
+    p = workload("bert-large", node.gpu, micro_batch=2, seq=128)
+    budget = resolve_budget(0.5, p)
+    sch = lower(p, PLANNERS["slackswap"](p, node.gpu, budget, share=Share.of_node(node)))
+    base = simulate_node([sch] * node.gpus, node, budget_bytes=budget, ideal_s=1.0)
+    zero = simulate_node([sch] * node.gpus, node, budget_bytes=budget, ideal_s=1.0, start_s=[0.0] * node.gpus)
+    assert zero == base and zero.events == base.events and zero.memory == base.memory
+
+
+def test_one_gpu_with_an_offset_ends_exactly_that_much_later():
+    p = two_region_profile()
+    hw = toy_hardware()
+    sch = swap_schedule(p)
+    base = simulate(sch, hw, budget_bytes=60)
+    late = simulate_node([sch], Node.single(hw), budget_bytes=60, start_s=[2.5])
+    assert late.step_s == base.step_s + 2.5 == 14.5
+    assert [(e.stream, e.name, e.start - 2.5, e.end - 2.5) for e in late.events] == [
+        (e.stream, e.name, e.start, e.end) for e in base.events]
+    assert late.stall_s == base.stall_s  # waiting to start is not a stall
+    assert late.peak_bytes == base.peak_bytes and late.bytes_d2h == base.bytes_d2h
+
+
+def test_offset_separates_copies_that_share_an_uplink():
+    p = two_region_profile()
+    node = pair_node(toy_hardware(d2h=10, h2d=10, duplex_d2h=10, duplex_h2d=10))
+    sch = swap_schedule(p)
+
+    def copies(res):
+        return {(e.gpu, e.stream): (e.start, e.end) for e in res.events if e.stream != "compute"}
+
+    # together: both 10 B copy-outs share the 10 B/s uplink on 1..3 (see test_shared_switch_uplink_halves_each_rate)
+    # offset 0.5: GPU 0 alone 1..1.5 (5 B), both at 5 B/s 1.5..2.5, GPU 1 alone again 2.5..3 (5 B at 10 B/s)
+    half = simulate_node([sch, sch], node, start_s=[0.0, 0.5])
+    assert copies(half)[0, "d2h"] == (1.0, 2.5) and copies(half)[1, "d2h"] == (1.5, 3.0)
+    # offset 1: the copies no longer overlap, each runs at the GPU's full 10 B/s, in both directions
+    apart = simulate_node([sch, sch], node, start_s=[0.0, 1.0])
+    assert copies(apart) == {(0, "d2h"): (1.0, 2.0), (0, "h2d"): (8.0, 9.0),
+                             (1, "d2h"): (2.0, 3.0), (1, "h2d"): (9.0, 10.0)}
+    assert [r.step_s for r in apart.per_gpu] == [12.0, 13.0]
+    assert apart.step_s == 13.0  # the node waits for the delayed GPU: its offset counts
+    assert apart.per_gpu[1].stall_s == apart.per_gpu[0].stall_s
+
+
+@pytest.mark.parametrize("start_s, match", [([0.0], "1 offsets for 2 schedules"),
+                                            ([0.0, -1.0], "must be finite and >= 0"),
+                                            ([0.0, float("nan")], "must be finite and >= 0"),
+                                            ([0.0, float("inf")], "must be finite and >= 0")])
+def test_bad_offsets_are_rejected(start_s, match):
+    p = two_region_profile()
+    sch = lower(p, make_plan(p))
+    with pytest.raises(SimulationError, match=match):
+        simulate_node([sch, sch], pair_node(toy_hardware()), start_s=start_s)

@@ -27,14 +27,16 @@ from .common import RegionModel, best_triggers
 MAX_REPAIRS = 8
 TIME_LIMIT_S = 20.0
 MIP_REL_GAP = 5e-3  # of recompute time: < 1e-4 of a step, far below what the table shows
-# planner -> (objective of the last solve, HiGHS's proven lower bound on it), in seconds of recompute
-_LAST_BOUND: dict[str, tuple[float, float]] = {}
+# planner -> (objective of the last solve, HiGHS's proven lower bound on it, both in seconds of
+# recompute; the model budget of that solve in bytes)
+_LAST_BOUND: dict[str, tuple[float, float, int | None]] = {}
 
 
-def last_bound(planner: str) -> tuple[float, float]:
-    """(incumbent, proven lower bound) on recompute seconds from the last solve of `planner`: the
-    solve stops at TIME_LIMIT_S, so the bound shows how far from optimal the incumbent can be."""
-    return _LAST_BOUND.get(planner, (float("nan"), float("nan")))
+def last_bound(planner: str) -> tuple[float, float, int | None]:
+    """(incumbent, proven lower bound, budget) of the last solve of `planner`, in seconds of recompute
+    and bytes: the solve stops at TIME_LIMIT_S, so the bound shows how far from optimal the incumbent
+    can be. The budget is the model's: lower than the plan's when the simulator made it repair."""
+    return _LAST_BOUND.get(planner, (float("nan"), float("nan"), None))
 
 
 def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool, planner: str,
@@ -163,7 +165,7 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, time_limit_s: floa
                options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": MIP_REL_GAP})
     bound = getattr(res, "mip_dual_bound", None)
     _LAST_BOUND[planner] = (float(res.fun) if res.x is not None else float("nan"),
-                            float("nan") if bound is None else float(bound))
+                            float("nan") if bound is None else float(bound), budget)
     if res.x is None:
         raise BudgetInfeasibleError(
             f"{planner}: no plan can keep the estimated peak within {budget:,} B ({res.message})"

@@ -8,7 +8,9 @@ import sys
 import torch
 
 import slackswap_ds as ss
-from slackswap_ds.dist import AgreementError, agree, node_layout, node_shares
+from slackswap_ds.agreement import AgreementError, agree, exchange
+from slackswap_ds.channels import MpiChannel
+from slackswap_ds.dist import RankFacts, node_layout, shares_of
 from slackswap_ds.hardware import load_node
 from slackswap_ds.plan import Decision, Plan
 
@@ -53,10 +55,15 @@ def main(scenario: str) -> None:
     out = {"rank": layout.rank, "node": layout.node, "local_rank": layout.local_rank,
            "node_ranks": list(layout.node_ranks)}
     node = load_node("dgx-a100")
+    channel = MpiChannel(comm)
     if scenario == "shares":
-        demands = [int(x) for x in sys.argv[2:4]]
+        # every rank tells the others its node (MPI shared-memory grouping), uplink and demand, then
+        # computes every rank's share exactly as the engine does
+        demand = [int(x) for x in sys.argv[2:4]][layout.local_rank]
         pool = int(sys.argv[4])
-        share = node_shares(node, layout.local_size, demands, pool)[layout.local_rank]
+        mine = RankFacts(node=f"mpi node {layout.node}", uplink=layout.local_rank // node.gpus_per_switch, demand=demand)
+        facts = [RankFacts.from_bytes(b) for b in exchange(channel, "facts", mine.to_bytes(), 30, "node facts")]
+        share = shares_of(facts, node.gpu, node.switch_uplink_bps, pool)[layout.rank]
         out.update(d2h=share.d2h_bps, h2d=share.h2d_bps, pool=share.host_pool_bytes, uplink=node.switch_uplink_bps)
         emit(out)
         return
@@ -76,7 +83,7 @@ def main(scenario: str) -> None:
             return Plan(((key, flipped),) + p.decisions[1:], p.prefetch, p.budget_bytes, p.profile_digest,
                         p.hardware_digest, p.planner, p.planner_version, p.blocking)
     try:
-        agreed_profile, agreed = agree(comm, profile, plan, timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 30,
+        agreed_profile, agreed = agree(channel, profile, plan, timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 30,
                                        on_receive=tamper)
     except AgreementError as e:
         emit({**out, "error": str(e)})

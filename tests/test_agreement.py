@@ -1,0 +1,93 @@
+"""Plan agreement over the torch.distributed store (the transport when MPI did not launch the job):
+real gloo process groups of 4 ranks on 127.0.0.1, one process per rank. The MPI transport runs the
+same protocol in tests/test_dist.py."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from slackswap_ds.agreement import AgreementError, Solo, agree, exchange
+from slackswap_ds.hardware import load_node
+from slackswap_ds.workloads import workload
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "torch_dist" / "worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, timeout_s: float = 60, n: int = 4) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        port = free_port()
+        procs = []
+        for rank in range(n):
+            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n), "SLACKSWAP_TEST_OUT": out}
+            procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(timeout_s)], cwd=ROOT, env=env,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        logs = [p.communicate(timeout=300)[0] for p in procs]
+        rows = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in Path(out).glob("*.json")}
+    assert sorted(rows) == list(range(n)), "\n".join(log[-2000:] for log in logs)
+    return [rows[r] for r in range(n)]
+
+
+def test_replicas_agree_over_the_store_and_train_exactly():
+    rows = run_ranks("agree")
+    assert len({r["digest"] for r in rows}) == 1
+    assert all(r["exact"] for r in rows)
+
+
+def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():
+    rows = run_ranks("exit1", timeout_s=5)
+    assert rows[1]["exited"]
+    for r in (rows[0], rows[2], rows[3]):
+        assert "ranks [1] did not report within sync_timeout_s=5" in r["error"]
+        assert r["seconds"] < 5 + 5 + 10  # the deadline, plus the verdict's own, plus slack
+
+
+def test_rank_0_gone_is_named_by_the_others():
+    rows = run_ranks("exit0", timeout_s=5)
+    for r in rows[1:]:
+        assert "rank 0" in r["error"], r["error"]
+        assert r["seconds"] < 5 + 5 + 10
+
+
+def test_a_tampered_plan_is_detected_and_named():
+    rows = run_ranks("tamper")
+    for r in rows:
+        assert "ranks [2]" in r["error"] and ("digest differs" in r["error"] or "does not fit" in r["error"])
+
+
+def test_the_engine_coordinates_nodes_over_the_store():
+    node = load_node("dgx-a100")
+    rows = run_ranks("coordinate")
+    assert {r["channel"] for r in rows} == {"StoreChannel"}
+    for members in ((0, 1), (2, 3)):  # ranks_per_node = 2: two nodes; each pair behind one switch
+        pair = [rows[r] for r in members]
+        assert sum(r["d2h"] for r in pair) == node.switch_uplink_bps
+        assert sum(r["h2d"] for r in pair) == node.switch_uplink_bps
+        # the pool (64 KiB per node) is far below the demands: split in proportion to them
+        demands = [r["demand"] for r in pair]
+        assert [r["pool"] for r in pair] == [65536 * d // sum(demands) for d in demands]
+    # rank 0 plans with the tightest share of all four: the least link and the least pool
+    assert all(r["plan_d2h"] == min(x["d2h"] for x in rows) for r in rows)
+    assert all(r["plan_pool"] == min(x["pool"] for x in rows) for r in rows)
+
+
+def test_one_rank_agrees_with_itself():
+    profile = workload("bert-large", load_node("dgx-a100").gpu)
+    assert agree(Solo(), profile, None, 1.0) == (profile, None)
+    assert exchange(Solo(), "facts", b"x", 1.0, "facts") == [b"x"]
+    with pytest.raises(ValueError, match="cannot send"):
+        Solo().post("plan", b"", [1])
+    assert issubclass(AgreementError, Exception)

@@ -1,0 +1,92 @@
+"""One rank of a real torch.distributed (gloo) job on 127.0.0.1, started by tests/test_agreement.py
+with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set. Writes its result as JSON to
+$SLACKSWAP_TEST_OUT/<rank>.json."""
+
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import slackswap_ds as ss
+from slackswap_ds.agreement import AgreementError, agree
+from slackswap_ds.channels import StoreChannel
+from slackswap_ds.config import load_config
+from slackswap_ds.engine import SlackSwapRuntime
+from slackswap_ds.plan import Decision, Plan
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "mpi"))
+from worker import grads, step, tiny  # noqa: E402  (the MPI worker's model and step)
+
+
+class EngineShim:
+    """What SlackSwapRuntime wraps: a module with forward and backward."""
+
+    def __init__(self, module):
+        self.module = module
+        self.forward = module.forward
+
+    def backward(self, loss):
+        loss.backward()
+
+
+def emit(row: dict) -> None:
+    with open(os.path.join(os.environ["SLACKSWAP_TEST_OUT"], f"{row['rank']}.json"), "w") as f:
+        json.dump(row, f)
+
+
+def main(scenario: str, timeout_s: float) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    out = {"rank": rank}
+    model = tiny()
+    torch.manual_seed(100)
+    ids = torch.randint(1, 128, (2, 16))
+    profile = ss.profile_step(model, step, ids, warmup=0)
+    if scenario == "coordinate":
+        # the engine's own node coordination: 4 ranks as 2 nodes x 2, dgx-a100 switches, a 64 KiB pool
+        cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4", "node": "dgx-a100", "ranks_per_node": 2,
+                                         "host_pool_bytes_per_node": 65536, "sync": "torch",
+                                         "sync_timeout_s": timeout_s}})
+        os.environ["LOCAL_RANK"] = str(rank % 2)
+        runtime = SlackSwapRuntime(EngineShim(model), cfg)
+        runtime.attach()
+        channel = runtime._channel()
+        budget = profile.total_bytes // 2 + 1000 * rank  # unequal demands: rank r wants 1000*r B less
+        runtime._coordinate(channel, profile, budget)
+        out.update(d2h=runtime.share.d2h_bps, h2d=runtime.share.h2d_bps, pool=runtime.share.host_pool_bytes,
+                   plan_d2h=runtime.plan_share.d2h_bps, plan_pool=runtime.plan_share.host_pool_bytes,
+                   demand=profile.total_bytes - budget, channel=type(channel).__name__)
+        emit(out)
+        return
+    plan = ss.plan(profile, "a100-80g-pcie4", 0.5) if rank == 0 else None
+    if scenario.startswith("exit") and rank == int(scenario[4:]):
+        emit({**out, "exited": True})
+        os._exit(0)  # no goodbye: as a crashed rank
+    tamper = None
+    if scenario == "tamper" and rank == 2:
+        def tamper(p):
+            key, dec = p.decisions[0]
+            flipped = Decision.KEEP if dec is not Decision.KEEP else Decision.SWAP
+            return Plan(((key, flipped),) + p.decisions[1:], p.prefetch, p.budget_bytes, p.profile_digest,
+                        p.hardware_digest, p.planner, p.planner_version, p.blocking)
+    import time
+
+    began = time.monotonic()
+    try:
+        agreed_profile, agreed = agree(StoreChannel(), profile, plan, timeout_s, on_receive=tamper)
+    except AgreementError as e:
+        emit({**out, "error": str(e), "seconds": time.monotonic() - began})
+        os._exit(0)  # skip the process group's shutdown: a peer is gone
+    reference = grads(model, ids)
+    result = grads(model, ids, ss.apply(model, agreed, agreed_profile))
+    exact = torch.equal(result[0], reference[0]) and all(torch.equal(result[1][k], reference[1][k]) for k in reference[1])
+    emit({**out, "digest": agreed.digest, "exact": exact})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))
