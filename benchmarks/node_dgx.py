@@ -78,12 +78,13 @@ DEFINITIONS = {
     "peak_over_budget_pct": "100 * (peak_bytes / budget_bytes - 1); <= 0 means within budget",
     "uplink_oversub_<dir>": (
         "peak uplink oversubscription, per PCIe switch and copy direction (d2h / h2d): "
-        "max over time t of N(t) * r_gpu / U, where N(t) = number of copies in that direction, issued by the "
+        "max over time t of N(t) * r_plan / U, where N(t) = number of copies in that direction, issued by the "
         "GPUs behind that switch, that are moving bytes at t (a copy event's [start + copy_latency_s, end)); "
-        "r_gpu = one GPU's own copy rate in that direction with nothing else running (Hardware.d2h_bps / "
-        "h2d_bps); U = Node.switch_uplink_bps. This is demand, not achieved rate: 1.0 = the copies alone "
-        "would exactly fill the uplink, 2.0 = they ask for twice what it carries (the simulator then shares "
-        "it max-min fairly, so each copy runs slower than planned). Reported: max over switches"
+        "r_plan = the copy rate the plan was made for in that direction (shared: the rank's share of the "
+        "uplink; private: the GPU's own rate, Hardware.d2h_bps / h2d_bps); U = Node.switch_uplink_bps. This "
+        "is what the plans ask of the uplink, not the achieved rate: 1.0 = together they assume exactly what "
+        "it carries, 2.0 = twice that (the simulator then shares it max-min fairly, so each copy runs slower "
+        "than its plan assumed). Reported: max over switches"
     ),
     "oversub_time_<dir>_s": "total time during which that ratio is > 1 (max over switches)",
     "alone_step_s": "step time of the schedule alone on one GPU with a private link",
@@ -142,10 +143,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def uplink_oversubscription(events: tuple[SimEvent, ...], node: Node) -> dict[tuple[int, str], tuple[float, float]]:
-    """{(switch, direction): (peak ratio, seconds with ratio > 1)} -- see DEFINITIONS["uplink_oversub_<dir>"]."""
+def uplink_oversubscription(events: tuple[SimEvent, ...], node: Node,
+                            share: Share = PRIVATE) -> dict[tuple[int, str], tuple[float, float]]:
+    """{(switch, direction): (peak ratio, seconds with ratio > 1)} for copies planned at `share`'s
+    rates -- see DEFINITIONS["uplink_oversub_<dir>"]."""
     hw = node.gpu
-    rate = {"d2h": hw.d2h_bps, "h2d": hw.h2d_bps}
+    rate = {"d2h": share.d2h(hw), "h2d": share.h2d(hw)}
     edges: dict[tuple[int, str], list[tuple[float, int]]] = {}
     for e in events:
         if e.stream not in rate or e.nbytes <= 0:
@@ -226,7 +229,7 @@ def run_case(name: str, profile, node: Node, planner: str, mode: str, budget: fl
     alone = simulate(sched, hw, budget_bytes=budget_bytes, ideal_s=ideal_s, record=False)
     res = simulate_node([sched] * node.gpus, node, budget_bytes=budget_bytes, ideal_s=ideal_s, record=True)
     per = res.per_gpu or (res,)
-    over = uplink_oversubscription(res.events, node)
+    over = uplink_oversubscription(res.events, node, share)
     row.update(node_row(res, budget_bytes))
     row.update(
         alone_throughput_pct=100.0 * alone.throughput,
@@ -319,10 +322,11 @@ def render(rows: list[dict], node: Node, budget: float, stagger: list[dict] = ()
         "node %   : throughput of the node = ideal / slowest rank's step; stall s = max compute stall over ranks;",
         "           peak GB = max over ranks of the peak device activation bytes in the node simulation",
         "vs budget: max peak over ranks relative to the budget (OVER = the plan breaks the memory budget on the node)",
-        "oversub  : peak uplink oversubscription = max over time, switches of N(t) * r_gpu / U, with N(t) the copies",
-        "           in that direction moving bytes at t behind one switch (excluding the per-copy latency), r_gpu",
-        "           the GPU's own copy rate alone, U the switch uplink rate; demand, not achieved rate (>1: copies",
-        "           share the uplink and run slower than r_gpu). '>1 s' = time with oversubscription > 1.",
+        "oversub  : peak uplink oversubscription = max over time, switches of N(t) * r_plan / U, with N(t) the copies",
+        "           in that direction moving bytes at t behind one switch (excluding the per-copy latency), r_plan",
+        "           the rate the plan assumed (shared: the rank's share; private: the GPU's own), U the switch",
+        "           uplink rate: what the plans ask of the uplink (>1: copies run slower than their plans assumed).",
+        "           '>1 s' = time with oversubscription > 1.",
     ]
     if stagger:
         lines += [""] + render_stagger(stagger, node)

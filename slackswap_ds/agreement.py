@@ -10,9 +10,9 @@ so a dead or stuck rank is *named* the same way, never waited on forever:
                                        torch.distributed store or the MPI job with it)
 
 Every wait polls against one deadline (`timeout_s`). A rank that never sends its report is named by
-rank 0; if rank 0 itself is gone, the others name it. `exchange` (every rank's bytes to every rank,
-naming the ranks that sent nothing) carries the small facts ranks share before planning: host,
-uplink, demand.
+rank 0; if rank 0 itself is gone, the others name it. `exchange` (every rank's text to every rank,
+through rank 0, with the same deadline, verdict and ack) carries the small facts ranks share before
+planning: node, uplink, demand.
 
 This module is torch- and MPI-free: a Channel only moves bytes.
 """
@@ -68,21 +68,38 @@ def wait_for(channel: Channel, name: str, senders: Sequence[int], deadline: floa
         time.sleep(_POLL_S)
 
 
-def exchange(channel: Channel, name: str, data: bytes, timeout_s: float, what: str) -> list[bytes]:
-    """Every rank's `data`, in rank order, on every rank; an AgreementError naming the ranks whose
-    data did not arrive within `timeout_s` (`what` says what was being exchanged)."""
+def exchange(channel: Channel, name: str, text: str, timeout_s: float, what: str) -> list[str]:
+    """Every rank's `text`, in rank order, on every rank, through rank 0 (so every rank names the
+    same culprit): an AgreementError naming the ranks whose text did not reach rank 0 within
+    `timeout_s` (`what` says what was being exchanged)."""
     rank, world = channel.rank, channel.world
+    if world == 1:
+        return [text]
     deadline = time.monotonic() + timeout_s
-    others = [r for r in range(world) if r != rank]
-    channel.post(name, data, others)
-    got = wait_for(channel, name, others, deadline)
-    channel.finish(deadline)
-    missing = [r for r in others if r not in got]
-    if missing:
-        raise AgreementError(f"rank {rank}: ranks {missing} did not send their {what} within "
-                             f"sync_timeout_s={timeout_s:g} (exited or stuck)")
-    got[rank] = data
-    return [got[r] for r in range(world)]
+    if rank == 0:
+        got = wait_for(channel, name, range(1, world), deadline)
+        missing = [r for r in range(1, world) if r not in got]
+        error = (f"ranks {missing} did not send their {what} within sync_timeout_s={timeout_s:g} "
+                 f"(exited or stuck)") if missing else ""
+        answer = json.dumps({"error": error, "all": [text] + [got[r].decode() for r in sorted(got)]})
+        channel.post(name + ".all", answer.encode(), sorted(got))
+        wait_for(channel, name + ".ack", sorted(got), deadline + timeout_s)
+        channel.finish(deadline + timeout_s)
+        if error:
+            raise AgreementError(f"rank 0: {error}")
+        return json.loads(answer)["all"]
+    channel.post(name, text.encode(), [0])
+    got = wait_for(channel, name + ".all", [0], deadline + timeout_s)
+    if 0 in got:
+        channel.post(name + ".ack", b"", [0])
+    channel.finish(deadline + timeout_s)
+    if 0 not in got:
+        raise AgreementError(f"rank {rank}: rank 0 did not answer the exchange of {what} within "
+                             f"sync_timeout_s={timeout_s:g} (rank 0 exited or is stuck)")
+    answer = json.loads(got[0].decode())
+    if answer["error"]:
+        raise AgreementError(f"rank {rank} (verdict of rank 0): {answer['error']}")
+    return answer["all"]
 
 
 def agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: float,

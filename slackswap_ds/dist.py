@@ -29,12 +29,12 @@ class RankFacts:
     uplink: int  # its GPU's host uplink on that node (topology.Topology.uplink_of)
     demand: int  # bytes it may want to pin: its activations above the budget
 
-    def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "RankFacts":
-        d = json.loads(data.decode())
+    def from_json(cls, text: str) -> "RankFacts":
+        d = json.loads(text)
         return cls(str(d["node"]), int(d["uplink"]), int(d["demand"]))
 
 

@@ -350,7 +350,7 @@ class SlackSwapRuntime:
         gpu = self._gpu()
         facts = RankFacts(node=self._node_key(channel.rank), uplink=self.topology.uplink_of[gpu % self.topology.gpus],
                           demand=max(0, local.total_bytes - budget))
-        everyone = [RankFacts.from_bytes(b) for b in exchange(channel, "facts", facts.to_bytes(), self.cfg.sync_timeout_s,
+        everyone = [RankFacts.from_json(b) for b in exchange(channel, "facts", facts.to_json(), self.cfg.sync_timeout_s,
                                                               "node facts (node, uplink, demand)")]
         shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node)
         self.share, self.plan_share = shares[channel.rank], tightest(shares)

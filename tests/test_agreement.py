@@ -55,6 +55,21 @@ def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():
         assert r["seconds"] < 5 + 5 + 10  # the deadline, plus the verdict's own, plus slack
 
 
+def test_a_stuck_rank_is_named_within_the_timeout():
+    rows = run_ranks("stuck1", timeout_s=5)
+    for r in (rows[0], rows[2], rows[3]):
+        assert "ranks [1] did not report within sync_timeout_s=5" in r["error"]
+        assert r["seconds"] < 5 + 5 + 10
+    assert "rank 1" in rows[1]["error"]  # when it wakes, its partners are gone: an error, not a hang
+
+
+def test_a_rank_gone_before_the_node_facts_exchange_is_named():
+    rows = run_ranks("coordinate-exit3", timeout_s=5)
+    for r in rows[:3]:
+        assert "ranks [3] did not send their node facts" in r["error"], r["error"]
+        assert r["seconds"] < 5 + 10
+
+
 def test_rank_0_gone_is_named_by_the_others():
     rows = run_ranks("exit0", timeout_s=5)
     for r in rows[1:]:
@@ -87,7 +102,7 @@ def test_the_engine_coordinates_nodes_over_the_store():
 def test_one_rank_agrees_with_itself():
     profile = workload("bert-large", load_node("dgx-a100").gpu)
     assert agree(Solo(), profile, None, 1.0) == (profile, None)
-    assert exchange(Solo(), "facts", b"x", 1.0, "facts") == [b"x"]
+    assert exchange(Solo(), "facts", "x", 1.0, "facts") == ["x"]
     with pytest.raises(ValueError, match="cannot send"):
         Solo().post("plan", b"", [1])
     assert issubclass(AgreementError, Exception)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from slackswap_ds.planners import Share
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import budget_sweep, node_dgx, planner_speed  # noqa: E402
@@ -110,6 +112,9 @@ def test_uplink_oversubscription_by_hand():
     expect_over_s = 0.5 if 2 * node.gpu.d2h_bps > u else 0.0
     assert over[(0, "d2h")][1] == pytest.approx(expect_over_s)
     assert set(over) == {(0, "d2h"), (0, "h2d"), (1, "d2h")}
+    # copies planned at each rank's share of the uplink ask exactly what it carries, never more
+    shared = node_dgx.uplink_oversubscription(tuple(ev), node, Share.of_node(node))
+    assert shared[(0, "d2h")] == (pytest.approx(1.0), 0.0)
 
 
 def test_planner_speed_quick(tmp_path, capsys):

@@ -89,7 +89,7 @@ def test_shares_are_computed_per_node_and_the_plan_fits_the_tightest_rank():
 
 def test_rank_facts_round_trip_and_bad_demands_are_refused():
     f = RankFacts("host-1", 3, 12345)
-    assert RankFacts.from_bytes(f.to_bytes()) == f
+    assert RankFacts.from_json(f.to_json()) == f
     node = load_node("dgx-a100")
     with pytest.raises(ValueError, match="one demand per local rank"):
         node_shares([0, 0], [1], node.gpu, 1e9, None)

@@ -43,14 +43,18 @@ def base_config(stage: int) -> dict:
 @pytest.mark.parametrize("stage, steps", [(0, 20), (1, 6), (2, 6), (3, 6)])
 def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(tmp_path, stage, steps):
     on = base_config(stage)
+    if stage == 1:  # the two ranks as a DGX A100's GPUs 0 and 1: behind one switch, sharing its uplink
+        on["slackswap"].update(node="dgx-a100", host_pool_bytes_per_node="1GiB")
     off = json.loads(json.dumps(on))
     off["slackswap"]["enabled"] = False
     losses_on, log_on = launch(tmp_path, "on", on, steps)
     losses_off, log_off = launch(tmp_path, "off", off, steps)
     assert len(losses_on) == steps and losses_on == losses_off
-    # one plan line per rank, the same plan on both
-    plans = re.findall(r"slackswap rank (\d): .* plan ([0-9a-f]{12})", log_on)
+    # one plan line per rank, the same plan on both, agreed over torch.distributed (no MPI launcher)
+    plans = re.findall(r"slackswap rank (\d): .* plan ([0-9a-f]{12}) agreed over torch.distributed", log_on)
     assert sorted(r for r, _ in plans) == ["0", "1"] and len({d for _, d in plans}) == 1
+    shares = re.findall(r"link share D2H ([\d.]+) / H2D ([\d.]+) GB/s", log_on)
+    assert shares == [("12.5", "12.5")] * 2 if stage == 1 else len(shares) == 2
     measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
     profile_steps = on["slackswap"]["profile_steps"]
     assert len(measured) == steps - profile_steps - 1  # the step after the safe ones is profiled

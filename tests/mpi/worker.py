@@ -62,7 +62,7 @@ def main(scenario: str) -> None:
         demand = [int(x) for x in sys.argv[2:4]][layout.local_rank]
         pool = int(sys.argv[4])
         mine = RankFacts(node=f"mpi node {layout.node}", uplink=layout.local_rank // node.gpus_per_switch, demand=demand)
-        facts = [RankFacts.from_bytes(b) for b in exchange(channel, "facts", mine.to_bytes(), 30, "node facts")]
+        facts = [RankFacts.from_json(b) for b in exchange(channel, "facts", mine.to_json(), 30, "node facts")]
         share = shares_of(facts, node.gpu, node.switch_uplink_bps, pool)[layout.rank]
         out.update(d2h=share.d2h_bps, h2d=share.h2d_bps, pool=share.host_pool_bytes, uplink=node.switch_uplink_bps)
         emit(out)

@@ -45,7 +45,7 @@ def main(scenario: str, timeout_s: float) -> None:
     torch.manual_seed(100)
     ids = torch.randint(1, 128, (2, 16))
     profile = ss.profile_step(model, step, ids, warmup=0)
-    if scenario == "coordinate":
+    if scenario.startswith("coordinate"):
         # the engine's own node coordination: 4 ranks as 2 nodes x 2, dgx-a100 switches, a 64 KiB pool
         cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4", "node": "dgx-a100", "ranks_per_node": 2,
                                          "host_pool_bytes_per_node": 65536, "sync": "torch",
@@ -55,7 +55,17 @@ def main(scenario: str, timeout_s: float) -> None:
         runtime.attach()
         channel = runtime._channel()
         budget = profile.total_bytes // 2 + 1000 * rank  # unequal demands: rank r wants 1000*r B less
-        runtime._coordinate(channel, profile, budget)
+        if scenario == "coordinate-exit3" and rank == 3:
+            emit({**out, "exited": True})
+            os._exit(0)
+        import time
+
+        began = time.monotonic()
+        try:
+            runtime._coordinate(channel, profile, budget)
+        except AgreementError as e:
+            emit({**out, "error": str(e), "seconds": time.monotonic() - began})
+            os._exit(0)
         out.update(d2h=runtime.share.d2h_bps, h2d=runtime.share.h2d_bps, pool=runtime.share.host_pool_bytes,
                    plan_d2h=runtime.plan_share.d2h_bps, plan_pool=runtime.plan_share.host_pool_bytes,
                    demand=profile.total_bytes - budget, channel=type(channel).__name__)
@@ -74,6 +84,8 @@ def main(scenario: str, timeout_s: float) -> None:
                         p.hardware_digest, p.planner, p.planner_version, p.blocking)
     import time
 
+    if scenario == "stuck1" and rank == 1:
+        time.sleep(timeout_s + 5)  # alive, but far too late
     began = time.monotonic()
     try:
         agreed_profile, agreed = agree(StoreChannel(), profile, plan, timeout_s, on_receive=tamper)
