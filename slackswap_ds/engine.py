@@ -132,6 +132,7 @@ class SlackSwapRuntime:
     plan_share: Any = None  # the Share rank 0 planned with: the tightest of all ranks'
     sync: str = "torch"  # how ranks agree: "mpi" or "torch" (resolved from the config's "auto")
     channel: Any = None  # the agreement.Channel of this job, made on first use
+    mpi_node: int | None = None  # this rank's node by MPI shared memory (MPI launches only)
     pool: Any = None  # one HostPool for every shape's executor
     _was_active: bool = False
 
@@ -145,6 +146,11 @@ class SlackSwapRuntime:
             # MPI when the job was launched by an MPI launcher (MPICH/Hydra or Open MPI set these)
             launched = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
             self.sync = "mpi" if launched and _has_mpi4py() else "torch"
+        if self.sync == "mpi" and not self.cfg.ranks_per_node:
+            from .dist import node_layout
+
+            # a collective, so here, as DeepSpeed starts (every rank alive), not when planning
+            self.mpi_node = node_layout()[0].node
         log.debug("slackswap: plans agreed over %s; host uplinks from %s", self._via(), self.topology.source)
         forward, backward = engine.forward, engine.backward
 
@@ -327,12 +333,8 @@ class SlackSwapRuntime:
 
         if self.cfg.ranks_per_node:
             return f"group {rank // self.cfg.ranks_per_node}"
-        if self.sync == "mpi":
-            if getattr(self, "_mpi_node", None) is None:
-                from .dist import node_layout
-
-                self._mpi_node = node_layout()[0].node  # COMM_TYPE_SHARED (a collective: every rank plans now)
-            return f"mpi node {self._mpi_node}"
+        if self.mpi_node is not None:
+            return f"mpi node {self.mpi_node}"  # MPI's COMM_TYPE_SHARED grouping, found at attach
         return socket.gethostname()
 
     def _gpu(self) -> int:
