@@ -57,7 +57,9 @@ class MpiChannel:
 class StoreChannel:
     """Messages as keys of the torch.distributed store: `<prefix>/<round>/<name>/<sender>`. A round
     is one call of the protocol; every rank counts rounds the same way, since every rank runs the
-    same sequence of agreements (one per new input shape)."""
+    same sequence of exchanges and agreements (one each per new input shape). Rank 0 deletes a
+    round's keys when it ends: by then it has read every other rank's, and every rank that
+    acknowledged has read its own, so the store does not grow with each shape."""
 
     def __init__(self, store=None, rank: int | None = None, world: int | None = None, prefix: str = "slackswap"):
         import torch.distributed as dist
@@ -70,22 +72,36 @@ class StoreChannel:
         self.store, self.prefix, self.round = store, prefix, 0
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
+        self._keys: list[str] = []  # this round's keys this rank wrote or read
 
     def _key(self, name: str, sender: int) -> str:
         return f"{self.prefix}/{self.round}/{name}/{sender}"
 
     def post(self, name: str, data: bytes, to: Sequence[int]) -> None:
+        key = self._key(name, self.rank)
         try:
-            self.store.set(self._key(name, self.rank), data)
+            self.store.set(key, data)
         except RuntimeError as e:  # the store lives in rank 0's process (TCPStore): it is gone
             raise AgreementError(f"rank {self.rank}: lost the torch.distributed store ({e}); rank 0 exited?") from e
+        self._keys.append(key)
 
     def poll(self, name: str, sender: int) -> bytes | None:
         key = self._key(name, sender)
         try:
-            return self.store.get(key) if self.store.check([key]) else None
+            if not self.store.check([key]):
+                return None
+            data = self.store.get(key)
         except RuntimeError as e:
             raise AgreementError(f"rank {self.rank}: lost the torch.distributed store ({e}); rank 0 exited?") from e
+        self._keys.append(key)
+        return data
 
     def finish(self, deadline: float) -> None:
+        if self.rank == 0:
+            for key in self._keys:
+                try:
+                    self.store.delete_key(key)
+                except RuntimeError:  # best effort: a leftover key only costs store memory
+                    pass
+        self._keys = []
         self.round += 1

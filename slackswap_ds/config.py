@@ -263,7 +263,9 @@ class SlackSwapConfig(BaseModel):
         300.0,
         gt=0,
         allow_inf_nan=False,
-        description="Seconds to wait for every rank to reach plan agreement before raising an error.",
+        description="Seconds to wait for every rank at each exchange before planning and at plan agreement: "
+        "ranks that have not arrived by then are named in an error (`AgreementError`) on every rank; when rank 0 "
+        "itself dies mid-agreement, the others raise within twice this.",
         json_schema_extra=_doc("number > 0", 300),
     )
     trace_file: str | None = Field(

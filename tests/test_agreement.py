@@ -45,6 +45,7 @@ def test_replicas_agree_over_the_store_and_train_exactly():
     rows = run_ranks("agree")
     assert len({r["digest"] for r in rows}) == 1
     assert all(r["exact"] for r in rows)
+    assert rows[0]["store_keys_left"] == 0  # rank 0 cleared the round's keys from the store
 
 
 def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():

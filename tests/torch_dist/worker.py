@@ -87,15 +87,18 @@ def main(scenario: str, timeout_s: float) -> None:
     if scenario == "stuck1" and rank == 1:
         time.sleep(timeout_s + 5)  # alive, but far too late
     began = time.monotonic()
+    channel = StoreChannel()
+    keys_before = channel.store.num_keys() if scenario == "agree" else 0
     try:
-        agreed_profile, agreed = agree(StoreChannel(), profile, plan, timeout_s, on_receive=tamper)
+        agreed_profile, agreed = agree(channel, profile, plan, timeout_s, on_receive=tamper)
     except AgreementError as e:
         emit({**out, "error": str(e), "seconds": time.monotonic() - began})
         os._exit(0)  # skip the process group's shutdown: a peer is gone
     reference = grads(model, ids)
     result = grads(model, ids, ss.apply(model, agreed, agreed_profile))
     exact = torch.equal(result[0], reference[0]) and all(torch.equal(result[1][k], reference[1][k]) for k in reference[1])
-    emit({**out, "digest": agreed.digest, "exact": exact})
+    emit({**out, "digest": agreed.digest, "exact": exact,
+          "store_keys_left": channel.store.num_keys() - keys_before if scenario == "agree" else None})
     dist.barrier()
     dist.destroy_process_group()
 
