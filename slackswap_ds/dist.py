@@ -3,10 +3,10 @@ PCIe uplinks and pinned pool, and the one Share a plan for every replica must fi
 
 Ranks on one node are grouped by MPI (`COMM_TYPE_SHARED`) under MPI launchers, by host name over
 torch.distributed otherwise, or by `ranks_per_node` (consecutive ranks; for tests and launchers that
-run several "nodes" on one host). Before planning, every rank sends every other its `RankFacts`
-(node, host uplink, demand) with `agreement.exchange`; every rank then computes every rank's Share
-the same way (`shares_of`), and rank 0 plans with the tightest of them (`tightest`), so the one plan
-of the data-parallel replicas fits each of their links and pools.
+run several "nodes" on one host). Before planning, the ranks exchange their `RankFacts` (node, host
+uplink, demand) through rank 0 with `agreement.exchange`; every rank then computes every rank's
+Share the same way (`shares_of`), and rank 0 plans with the tightest of them (`tightest`), so the
+one plan of the data-parallel replicas fits each of their links and pools.
 """
 
 from __future__ import annotations

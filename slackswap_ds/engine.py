@@ -9,9 +9,10 @@ Lifecycle, driven by the engine's own forward and backward (the user's loop does
                                profiled and planned on their step (replan = "on_shape_change")
 
 Planning a shape, on every rank at the same step:
-    1. node facts  every rank sends every other its node, host uplink and demand (dist.RankFacts);
-                   each computes every rank's Share of its node (uplink split among the ranks on it,
-                   pinned pool split by demand); its own sizes its host pool
+    1. node facts  every rank sends rank 0 its node, host uplink and demand (dist.RankFacts), and
+                   rank 0 answers with everyone's; each rank computes every rank's Share of its node
+                   (uplink split among the ranks on it, pinned pool split by demand); its own sizes
+                   its host pool
     2. plan        rank 0 plans with the tightest Share of any rank, so the one plan fits every replica
     3. agreement   rank 0 sends its profile and plan as canonical JSON (no pickle); every rank checks
                    that the profile's structure (names and bytes, not times) equals its own and that
