@@ -58,6 +58,14 @@ def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():
         assert "ranks [1] did not report within sync_timeout_s=5" in r["error"]
 
 
+def test_a_stuck_rank_is_named_within_the_timeout():
+    rows = mpirun("stuck", "5")
+    for r in (rows[0], rows[2], rows[3]):
+        assert "ranks [1] did not report within sync_timeout_s=5" in r["error"]
+        assert r["seconds"] < 5 + 5 + 10
+    assert "rank 1" in rows[1]["error"]  # when it wakes, the verdict is long gone: an error, not a hang
+
+
 def test_a_tampered_plan_is_detected_and_named():
     rows = mpirun("tamper", "60")
     for r in rows:

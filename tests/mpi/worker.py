@@ -75,6 +75,10 @@ def main(scenario: str) -> None:
     if scenario == "exit" and layout.rank == 1:
         emit({**out, "exited": True})
         sys.exit(0)
+    if scenario == "stuck" and layout.rank == 1:
+        import time
+
+        time.sleep(float(sys.argv[2]) + 5)  # alive, but far too late
     tamper = None
     if scenario == "tamper" and layout.rank == 2:
         def tamper(p):
@@ -82,11 +86,14 @@ def main(scenario: str) -> None:
             flipped = Decision.KEEP if dec is not Decision.KEEP else Decision.SWAP
             return Plan(((key, flipped),) + p.decisions[1:], p.prefetch, p.budget_bytes, p.profile_digest,
                         p.hardware_digest, p.planner, p.planner_version, p.blocking)
+    import time
+
+    began = time.monotonic()
     try:
         agreed_profile, agreed = agree(channel, profile, plan, timeout_s=float(sys.argv[2]) if len(sys.argv) > 2 else 30,
                                        on_receive=tamper)
     except AgreementError as e:
-        emit({**out, "error": str(e)})
+        emit({**out, "error": str(e), "seconds": time.monotonic() - began})
         return
     reference = grads(model, ids)
     result = grads(model, ids, ss.apply(model, agreed, agreed_profile))
