@@ -28,7 +28,9 @@ from .plan import Plan
 from .profile import StepProfile
 
 _FITS, _OTHER_STEP, _PLAN_UNFIT = 1, 2, 3  # a rank's report on the plan it received
-_POLL_S = 0.001
+# poll every 1 ms at first, backing off to 50 ms: agreement is once per shape, and with thousands of
+# ranks, fast polls of rank 0's store would be a storm of requests
+_POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.05
 
 
 class AgreementError(SlackSwapError):
@@ -57,6 +59,7 @@ def wait_for(channel: Channel, name: str, senders: Sequence[int], deadline: floa
     """Messages `name` from `senders` that arrive by `deadline` (monotonic seconds)."""
     got: dict[int, bytes] = {}
     pending = list(senders)
+    pause = _POLL_FIRST_S
     while True:
         for r in list(pending):
             data = channel.poll(name, r)
@@ -65,7 +68,8 @@ def wait_for(channel: Channel, name: str, senders: Sequence[int], deadline: floa
                 pending.remove(r)
         if not pending or time.monotonic() >= deadline:
             return got
-        time.sleep(_POLL_S)
+        time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        pause = min(2 * pause, _POLL_MAX_S)
 
 
 def exchange(channel: Channel, name: str, text: str, timeout_s: float, what: str) -> list[str]:
