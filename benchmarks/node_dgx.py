@@ -55,7 +55,7 @@ TARGET_PCT = 95.0  # the issue's acceptance target for GPT-2 XL, % of ideal; onl
 # start offset of the second GPU of each switch, in units of the keep-all forward time F = sum(op.fwd_s)
 STAGGER_FRACTIONS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
 # PLANNERS name -> the `planner` key that planner passes to milp.solve_region_milp (planners/optimal.py),
-# under which milp.last_bound keeps (incumbent, proven lower bound) of its last solve
+# under which milp.last_bound keeps (incumbent, proven lower bound, model budget) of its last solve
 BOUND_KEYS = {"optimal": "optimal"}
 
 ROW_KEYS = (

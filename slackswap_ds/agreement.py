@@ -6,7 +6,7 @@ so a dead or stuck rank is *named* the same way, never waited on forever:
     rank 0  -> every rank   "plan":    rank 0's profile and plan, canonical JSON bytes (no pickle)
     rank r  -> rank 0       "report":  does the plan fit r's own step? and the digest r received
     rank 0  -> every rank   "verdict": "ok", or the error text naming the ranks at fault
-    rank r  -> rank 0       "ack":     r has the verdict (rank 0 may now exit, taking the
+    rank r  -> rank 0       "verdict.ack": r has the verdict (rank 0 may now exit, taking the
                                        torch.distributed store or the MPI job with it)
 
 Every wait polls against one deadline (`timeout_s`). A rank that never sends its report is named by
@@ -86,21 +86,16 @@ def exchange(channel: Channel, name: str, text: str, timeout_s: float, what: str
         error = (f"ranks {missing} did not send their {what} within sync_timeout_s={timeout_s:g} "
                  f"(exited or stuck)") if missing else ""
         answer = json.dumps({"error": error, "all": [text] + [got[r].decode() for r in sorted(got)]})
-        channel.post(name + ".all", answer.encode(), sorted(got))
-        wait_for(channel, name + ".ack", sorted(got), deadline + timeout_s)
-        channel.finish(deadline + timeout_s)
+        _send_verdict(channel, name + ".all", answer.encode(), sorted(got), deadline + timeout_s)
         if error:
             raise AgreementError(f"rank 0: {error}")
         return json.loads(answer)["all"]
     channel.post(name, text.encode(), [0])
-    got = wait_for(channel, name + ".all", [0], deadline + timeout_s)
-    if 0 in got:
-        channel.post(name + ".ack", b"", [0])
-    channel.finish(deadline + timeout_s)
-    if 0 not in got:
+    reply = _receive_verdict(channel, name + ".all", deadline + timeout_s)
+    if reply is None:
         raise AgreementError(f"rank {rank}: rank 0 did not answer the exchange of {what} within "
                              f"sync_timeout_s={timeout_s:g} (rank 0 exited or is stuck)")
-    answer = json.loads(got[0].decode())
+    answer = json.loads(reply.decode())
     if answer["error"]:
         raise AgreementError(f"rank {rank} (verdict of rank 0): {answer['error']}")
     return answer["all"]
@@ -120,9 +115,7 @@ def agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: fl
         reports = wait_for(channel, "report", range(1, world), deadline)
         problems = _judge(reports, world, plan.digest, timeout_s)
         verdict = "ok" if not problems else "; ".join(problems)
-        channel.post("verdict", verdict.encode(), sorted(reports))
-        wait_for(channel, "ack", sorted(reports), deadline + timeout_s)
-        channel.finish(deadline + timeout_s)
+        _send_verdict(channel, "verdict", verdict.encode(), sorted(reports), deadline + timeout_s)
         if problems:
             raise AgreementError("plan agreement failed: " + verdict)
         return local, plan
@@ -142,16 +135,30 @@ def agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: fl
     except PlanError:
         status = _PLAN_UNFIT
     channel.post("report", bytes([status]) + received.digest.encode(), [0])
-    got = wait_for(channel, "verdict", [0], deadline + timeout_s)
-    if 0 in got:
-        channel.post("ack", b"", [0])
-    channel.finish(deadline + timeout_s)
-    if 0 not in got:
+    reply = _receive_verdict(channel, "verdict", deadline + timeout_s)
+    if reply is None:
         raise AgreementError(f"rank {rank}: no verdict from rank 0 within sync_timeout_s={timeout_s:g}")
-    verdict = got[0].decode()
+    verdict = reply.decode()
     if verdict != "ok":
         raise AgreementError(f"plan agreement failed (verdict of rank 0): {verdict}")
     return profile, received
+
+
+def _send_verdict(channel: Channel, name: str, verdict: bytes, to: Sequence[int], deadline: float) -> None:
+    """Rank 0 ends a round: the verdict to the ranks `to`, then their acks (rank 0 may exit next,
+    taking the store or the MPI job with it, before a slow rank has read it)."""
+    channel.post(name, verdict, to)
+    wait_for(channel, name + ".ack", to, deadline)
+    channel.finish(deadline)
+
+
+def _receive_verdict(channel: Channel, name: str, deadline: float) -> bytes | None:
+    """Any other rank ends a round: rank 0's verdict, acknowledged; None if none came by `deadline`."""
+    got = wait_for(channel, name, [0], deadline)
+    if 0 in got:
+        channel.post(name + ".ack", b"", [0])
+    channel.finish(deadline)
+    return got.get(0)
 
 
 def _judge(reports: dict[int, bytes], world: int, digest: str, timeout_s: float) -> list[str]:

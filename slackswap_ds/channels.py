@@ -6,6 +6,7 @@ Neither blocks: a rank that is gone is simply never heard from, and the protocol
 
 from __future__ import annotations
 
+import time
 import zlib
 from typing import Sequence
 
@@ -44,8 +45,6 @@ class MpiChannel:
         return bytes(buf)
 
     def finish(self, deadline: float) -> None:
-        import time
-
         while self._sends and time.monotonic() < deadline:
             self._sends = [(q, b) for q, b in self._sends if not q.Test()]
             time.sleep(0.001)
@@ -81,8 +80,8 @@ class StoreChannel:
         key = self._key(name, self.rank)
         try:
             self.store.set(key, data)
-        except RuntimeError as e:  # the store lives in rank 0's process (TCPStore): it is gone
-            raise AgreementError(f"rank {self.rank}: lost the torch.distributed store ({e}); rank 0 exited?") from e
+        except RuntimeError as e:
+            raise self._lost(e) from e
         self._keys.append(key)
 
     def poll(self, name: str, sender: int) -> bytes | None:
@@ -92,9 +91,13 @@ class StoreChannel:
                 return None
             data = self.store.get(key)
         except RuntimeError as e:
-            raise AgreementError(f"rank {self.rank}: lost the torch.distributed store ({e}); rank 0 exited?") from e
+            raise self._lost(e) from e
         self._keys.append(key)
         return data
+
+    def _lost(self, e: RuntimeError) -> AgreementError:
+        # the store lives in rank 0's process (TCPStore): it is gone
+        return AgreementError(f"rank {self.rank}: lost the torch.distributed store ({e}); rank 0 exited?")
 
     def finish(self, deadline: float) -> None:
         if self.rank == 0:

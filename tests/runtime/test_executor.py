@@ -49,15 +49,17 @@ def step(model, ids):
     return out.loss
 
 
-def run(model, ids, ctx=None, seed=1):
-    """One step (dropout on) from a fixed RNG state; loss and every gradient."""
+def run(model, ids, ctx=None, seed=1, step_fn=None):
+    """One step (dropout on) from a fixed RNG state; loss and every gradient. `step_fn` defaults to
+    `step` (an HF model on token ids)."""
+    step_fn = step_fn or step
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
     if ctx is None:
-        loss = step(model, ids)
+        loss = step_fn(model, ids)
     else:
         with ctx:
-            loss = step(model, ids)
+            loss = step_fn(model, ids)
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -251,23 +253,14 @@ def test_model_calling_deepspeed_checkpointing_inside_is_exact_under_random_plan
     # the checkpointed layers (1, 3) keep their own saves; layers 0 and 2 are SlackSwap's
     assert {a.key.split(":")[0] for a in profile.activations} == {"layers.0", "layers.2", "post"}
 
-    def one(ctx=None):
-        model.zero_grad(set_to_none=True)
-        torch.manual_seed(1)
-        if ctx is None:
-            loss = ds_step(model, x)
-        else:
-            with ctx:
-                loss = ds_step(model, x)
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    reference = one()
+    reference = run(model, x, step_fn=ds_step)
+    assert len(reference[1]) == len(list(model.parameters()))  # every parameter has a gradient
     for seed in range(4):
         rng = random.Random(seed)
         dec = {a.key: rng.choice([Decision.KEEP, Decision.SWAP] + [Decision.RECOMPUTE] * a.recomputable)
                for a in profile.activations}
         plan = Plan.build(profile, dec, budget_bytes=0, hardware_digest="any", planner="random")
-        assert_exact(one(ss.apply(model, plan, profile)), reference)
+        assert_exact(run(model, x, ss.apply(model, plan, profile), step_fn=ds_step), reference)
 
 
 def test_recorded_timeline_is_a_trace_of_the_measured_step(tmp_path):
