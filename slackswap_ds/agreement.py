@@ -27,7 +27,7 @@ from .errors import PlanError, SlackSwapError
 from .plan import Plan
 from .profile import StepProfile
 
-_FITS, _OTHER_STEP, _PLAN_UNFIT = 1, 2, 3  # a rank's report on the plan it received
+_FITS, _OTHER_STEP, _PLAN_UNFIT, _UNREADABLE = 1, 2, 3, 4  # a rank's report on the plan it received
 # poll every 1 ms at first, backing off to 50 ms: agreement is once per shape, and with thousands of
 # ranks, fast polls of rank 0's store would be a storm of requests
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.05
@@ -124,17 +124,22 @@ def agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: fl
     if 0 not in got:
         raise AgreementError(f"rank {rank}: rank 0 did not send a plan within sync_timeout_s={timeout_s:g} "
                              f"(rank 0 exited or is stuck)")
-    data = json.loads(got[0].decode())
-    profile = StepProfile.from_json(data["profile"])
-    received = Plan.from_json(data["plan"])
-    if on_receive is not None:
-        received = on_receive(received)
-    status = _FITS if profile.structure_digest == local.structure_digest else _OTHER_STEP
     try:
-        received.check(profile)
-    except PlanError:
-        status = _PLAN_UNFIT
-    channel.post("report", bytes([status]) + received.digest.encode(), [0])
+        data = json.loads(got[0].decode())
+        profile = StepProfile.from_json(data["profile"])
+        received = Plan.from_json(data["plan"])
+    except (ValueError, KeyError, TypeError, SlackSwapError):  # not what rank 0 sent: report, do not crash
+        status, digest = _UNREADABLE, ""
+    else:
+        if on_receive is not None:
+            received = on_receive(received)
+        status = _FITS if profile.structure_digest == local.structure_digest else _OTHER_STEP
+        try:
+            received.check(profile)
+        except PlanError:
+            status = _PLAN_UNFIT
+        digest = received.digest
+    channel.post("report", bytes([status]) + digest.encode(), [0])
     reply = _receive_verdict(channel, "verdict", deadline + timeout_s)
     if reply is None:
         raise AgreementError(f"rank {rank}: no verdict from rank 0 within sync_timeout_s={timeout_s:g}")
@@ -173,10 +178,13 @@ def _judge(reports: dict[int, bytes], world: int, digest: str, timeout_s: float)
         problems.append(f"ranks {other_step} run a different step than rank 0 (saved-tensor names or bytes "
                         f"differ): they cannot share its plan; make every data-parallel rank run the same model "
                         f"on the same shapes")
+    unreadable = sorted(r for r, b in reports.items() if b[0] == _UNREADABLE)
+    if unreadable:
+        problems.append(f"ranks {unreadable} could not read the plan they received (corrupted in transit)")
     unfit = sorted(r for r, b in reports.items() if b[0] == _PLAN_UNFIT)
     if unfit:
         problems.append(f"ranks {unfit} received a plan that does not fit rank 0's own profile")
-    mismatch = sorted(r for r, b in reports.items() if b[1:].decode(errors="replace") != digest)
+    mismatch = sorted(r for r, b in reports.items() if b[0] != _UNREADABLE and b[1:].decode(errors="replace") != digest)
     if mismatch:
         problems.append(f"ranks {mismatch} hold a plan whose digest differs from rank 0's {digest[:12]} "
                         f"(corrupted or tampered in transit)")

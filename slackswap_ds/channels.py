@@ -26,6 +26,7 @@ class MpiChannel:
         self.comm = comm or MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         self._sends: list = []  # (request, buffer): the buffer must live until the send completes
+        self._abandoned: list = []  # cancelled sends: MPI may still read their buffers
 
     @staticmethod
     def tag(name: str) -> int:
@@ -48,8 +49,12 @@ class MpiChannel:
         while self._sends and time.monotonic() < deadline:
             self._sends = [(q, b) for q, b in self._sends if not q.Test()]
             time.sleep(0.001)
-        for q, _ in self._sends:  # the receiver is gone: do not wait for it
+        for q, _ in self._sends:  # the receiver is gone or stuck: do not wait for it
             q.Cancel()
+        # a cancel may fail (a late receiver matched the send first), and MPI reads the buffer
+        # until the request completes: keep request and buffer for the channel's life, since
+        # freeing them would hand a late receiver garbage
+        self._abandoned += self._sends
         self._sends = []
 
 

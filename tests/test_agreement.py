@@ -84,6 +84,12 @@ def test_a_tampered_plan_is_detected_and_named():
         assert "ranks [2]" in r["error"] and ("digest differs" in r["error"] or "does not fit" in r["error"])
 
 
+def test_a_plan_that_arrives_unreadable_is_named_not_a_crash():
+    rows = run_ranks("garble")
+    for r in rows:
+        assert "ranks [2] could not read the plan they received" in r["error"], r["error"]
+
+
 def test_the_engine_coordinates_nodes_over_the_store():
     node = load_node("dgx-a100")
     rows = run_ranks("coordinate")

@@ -32,6 +32,14 @@ class EngineShim:
         loss.backward()
 
 
+class GarblingChannel(StoreChannel):
+    """The real store, but the plan this rank receives arrives as bytes that are not a plan."""
+
+    def poll(self, name, sender):
+        data = super().poll(name, sender)
+        return b"\xb0" + data[1:] if data is not None and name == "plan" else data
+
+
 def emit(row: dict) -> None:
     with open(os.path.join(os.environ["SLACKSWAP_TEST_OUT"], f"{row['rank']}.json"), "w") as f:
         json.dump(row, f)
@@ -87,7 +95,7 @@ def main(scenario: str, timeout_s: float) -> None:
     if scenario == "stuck1" and rank == 1:
         time.sleep(timeout_s + 5)  # alive, but far too late
     began = time.monotonic()
-    channel = StoreChannel()
+    channel = GarblingChannel() if scenario == "garble" and rank == 2 else StoreChannel()
     keys_before = channel.store.num_keys() if scenario == "agree" else 0
     try:
         agreed_profile, agreed = agree(channel, profile, plan, timeout_s, on_receive=tamper)
