@@ -3,10 +3,12 @@
 Lifecycle, driven by the engine's own forward and backward (the user's loop does not change):
 
     steps < profile_steps      plain DeepSpeed (safe mode: warm-up, allocator settling)
-    step == profile_steps      the step runs under a StepTracer -> measured StepProfile
-                               -> plan (rank 0) -> agreed across ranks -> Executor for these shapes
+    step == profile_steps      the step runs under a ProfileSession (every saved tensor to host, so
+                               it fits the budget) -> measured StepProfile -> plan (rank 0)
+                               -> agreed across ranks -> Executor for these shapes
     later steps                run under the executor of their input shapes; new shapes are
                                profiled and planned on their step (replan = "on_shape_change")
+    eval-mode forwards         left alone (not counted as steps, never profiled or planned)
 
 Planning a shape, on every rank at the same step:
     1. node facts  every rank sends rank 0 its node, host uplink and demand (dist.RankFacts), and
@@ -135,7 +137,6 @@ class SlackSwapRuntime:
     channel: Any = None  # the agreement.Channel of this job, made on first use
     mpi_node: int | None = None  # this rank's node by MPI shared memory (MPI launches only)
     pool: Any = None  # one HostPool for every shape's executor
-    _was_active: bool = False
 
     def attach(self) -> None:
         engine = self.engine
@@ -171,7 +172,7 @@ class SlackSwapRuntime:
 
     # ---- per step ----------------------------------------------------------------------------
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
-        if self.active is not None or not torch.is_grad_enabled():
+        if self.active is not None or not torch.is_grad_enabled() or not self.module.training:
             return  # evaluation, or a second forward in the same step: not ours to manage
         self.steps += 1
         key = _shape_key(args, kwargs)
@@ -181,17 +182,15 @@ class SlackSwapRuntime:
         if state is None and self.shapes and self.cfg.replan == "never":
             return  # shapes changed, no re-planning: plain steps for these shapes
         if state is None or state.executor is None:
-            from .runtime.tracing import StepTracer
+            from .runtime.profiler import ProfileSession
 
             self.shapes[key] = state or _ShapeState()
-            self.active, self.active_key = StepTracer(self.module), key
+            log.info("slackswap: profiling a step of input shapes %s (saved tensors go to host for this step)",
+                     [s for s, _ in key])
+            self.active, self.active_key = ProfileSession(self.module), key
         else:
             self.active, self.active_key = state.executor, key
-        # checkpoint() calls (ss.install(), or ss.checkpointing directly) run inline under a plan,
-        # and so under the tracer that makes the plan's profile too
-        from .checkpointing import set_plan_active
-
-        self._was_active = set_plan_active(True)
+        # (checkpoint calls inside the model run inline under both: see runtime/takeover.py)
         self.active.__enter__()
 
     def _after_backward(self) -> None:
@@ -199,17 +198,10 @@ class SlackSwapRuntime:
         if ctx is None:
             return
         self.active = self.active_key = None
-        try:
-            ctx.__exit__(None, None, None)
-        finally:
-            from .checkpointing import set_plan_active
-
-            set_plan_active(self._was_active)
+        ctx.__exit__(None, None, None)
         state = self.shapes[key]
         if state.executor is None:
-            from .runtime.profiler import build_profile
-
-            self._make_plan(state, build_profile(ctx, type(self.module).__name__))
+            self._make_plan(state, ctx.profile(type(self.module).__name__))
         else:
             self.last_stats = state.executor.stats.last_step
             self.active_plan = state.plan

@@ -213,3 +213,10 @@ def load_node(name_or_path: str | Path) -> Node:
         raise InvalidFileError(f"hardware file {str(path)!r}: a node needs \"gpu\": the name of a GPU preset")
     return Node(name=str(data.get("name", path.stem)), gpu=load_hardware(data["gpu"]),
                 description=str(data.get("description", "")), sources=sources, **values)
+
+
+def preset_by_digest(digest: str) -> Hardware | None:
+    """The GPU preset (or `Hardware.instant_copies()`) whose digest is `digest`, if any: a plan
+    records only its hardware's digest, and re-planning it needs the hardware back."""
+    candidates = [Hardware.instant_copies()] + [load_hardware(n) for n in preset_names("gpu")]
+    return next((hw for hw in candidates if hw.digest == digest), None)

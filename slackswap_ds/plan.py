@@ -206,13 +206,13 @@ def _strict_bool(v: object) -> bool:
 
 def need_op(profile: StepProfile, plan: Plan, key: str) -> int:
     """The op at whose backward a tensor is first needed: its first reader, or, when a RECOMPUTE
-    activation of its region depends on it, the region's first backward op (recompute runs there)."""
-    a = profile.by_key[key]
-    region = profile.region_of(a)
-    for other in profile.region_acts[region]:
-        if key in other.deps and plan.decision.get(other.key) is Decision.RECOMPUTE:
-            return profile.region_last_op[region]
-    return a.first_read
+    activation depends on it, that activation's region's first backward op (recompute runs there)
+    if it comes first."""
+    need = profile.by_key[key].first_read
+    for other in profile.dependents.get(key, ()):
+        if plan.decision.get(other.key) is Decision.RECOMPUTE:
+            need = max(need, profile.region_last_op[profile.region_of(other)])
+    return need
 
 
 # ---- Schedule ----------------------------------------------------------------------------------

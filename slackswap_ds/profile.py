@@ -15,13 +15,15 @@ Time line of one activation (its region is the region of its first user):
               bwd(min(users)) ends  -> freed
 
 Recomputation happens per region (a transformer layer, as `torch.utils.checkpoint` does it), so
-`deps` and `producers` never leave the activation's region. An activation with no producers (a
-region input, e.g. a layer's input hidden state) cannot be recomputed inside its region: it can
-only be kept or swapped.
+`producers` never leave the activation's region; its `deps` are saved in that region or in an
+earlier one (an attention mask saved before the first layer, read by every layer's replay). An
+activation with no producers (a region input, e.g. a layer's input hidden state) cannot be
+recomputed inside its region: it can only be kept or swapped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -155,8 +157,8 @@ class StepProfile:
                 dep = by_key.get(d)
                 if dep is None:
                     problems.append(f"activation {a.key!r}: unknown dep {d!r}")
-                elif self.ops[dep.saved_at].region != region:
-                    problems.append(f"activation {a.key!r}: dep {d!r} is outside region {region!r}")
+                elif dep.saved_at > a.saved_at and self.ops[dep.saved_at].region != region:
+                    problems.append(f"activation {a.key!r}: dep {d!r} is saved after region {region!r}")
             if a.deps and not a.producers:
                 problems.append(f"activation {a.key!r} has deps but no producers")
         if problems:
@@ -184,6 +186,15 @@ class StepProfile:
         return out
 
     @cached_property
+    def dependents(self) -> dict[str, tuple[Activation, ...]]:
+        """For each activation, the activations whose recomputation reads it (their `deps`)."""
+        out: dict[str, list[Activation]] = {}
+        for a in self.activations:
+            for d in a.deps:
+                out.setdefault(d, []).append(a)
+        return {k: tuple(v) for k, v in out.items()}
+
+    @cached_property
     def region_last_op(self) -> dict[str, int]:
         """Index of each region's last forward op (its first backward op)."""
         return {o.region: i for i, o in enumerate(self.ops)}
@@ -202,6 +213,15 @@ class StepProfile:
     @property
     def total_bytes(self) -> int:
         return sum(a.bytes for a in self.activations)
+
+    def without_recompute(self, keys) -> "StepProfile":
+        """This profile with the activations `keys` made unrecomputable (kept or swapped only):
+        what is left after they failed to replay exactly."""
+        keys = set(keys)
+        acts = tuple(dataclasses.replace(a, producers=(), deps=()) if a.key in keys else a for a in self.activations)
+        meta = dict(self.meta)
+        meta["not_recomputable"] = ",".join(sorted(keys | set(filter(None, meta.get("not_recomputable", "").split(",")))))
+        return StepProfile(self.name, self.ops, acts, tuple(meta.items()))
 
     # ---- JSON ----------------------------------------------------------------------------------
     def to_json(self) -> dict:

@@ -67,20 +67,17 @@ class DeviceError(SlackSwapError, ValueError):
 #      must not be handed to another copy before then (HostPool.release(buf, after=handle)).
 #
 # H2D (copy_in: pooled pinned host buffer -> device tensor, the prefetch)
-#   5. by default the destination is allocated *on the H2D side stream* (inside its stream
-#      context). Caching-allocator rule: a block is recycled in the order of the stream it was
-#      allocated on; a tensor allocated on stream S and used on stream T must either be
-#      `record_stream(T)`-ed, or T must be synced back to S before the tensor is freed. The
-#      consumer is the compute stream, so the handle calls `tensor.record_stream(current)` when the
-#      compute stream consumes it (`wait_on_current()` or `wait()`): the block is then not reused
-#      until the compute work queued at free time (backward's use of it) has finished.
-#      The alternative — allocate on the compute stream before the copy — needs no record_stream
-#      but forces `side.wait_stream(current)` (the freshly allocated block may still be read by
-#      queued compute kernels that used its previous tenant), which serializes every prefetch
-#      behind all queued compute. That is what happens when the caller passes `dst`, or asks for
-#      `order_after_current=True` (prefetch starts no earlier than the compute stream reaches the
-#      issue point: the simulator's trigger semantics).
-#   6. copy non_blocking=True on the H2D stream, record an event.
+#   5. the destination is allocated on the *compute* (current) stream, the stream that reads and
+#      frees it, so its block goes back to the pool compute allocates from (a block allocated on a
+#      side stream can only be reused by that stream: reserved memory would grow with every prefetch).
+#      That block may have belonged to a tensor whose kernels are still queued on the compute stream,
+#      so the H2D stream first waits for the compute stream (`side.wait_stream(current)`): the copy
+#      starts no earlier than compute reaches the point where it was issued, which is the Schedule's
+#      meaning of a prefetch trigger. No record_stream is needed: producer-side ordering is the wait,
+#      consumer and allocator share one stream.
+#   6. with `after=` (the D2H handle that filled the host buffer), the H2D stream also waits on that
+#      copy's event: a prefetch issued before its copy-out ended never blocks the host. Then copy
+#      non_blocking=True on the H2D stream and record an event.
 #   7. the compute stream waits for that event before using the tensor: `wait_on_current()` does
 #      `current.wait_event(event)` — a device-side wait, the host does not block.
 #   8. the pinned source buffer must not be recycled until the event completes (the copy reads it
@@ -111,10 +108,10 @@ class CopyHandle:
     """
 
     __slots__ = ("direction", "nbytes", "tensor", "host_waited", "_device", "_event", "_keep",
-                 "_origin_stream", "_record_on_consume", "_complete")
+                 "_origin_stream", "_complete")
 
     def __init__(self, device: "Device", direction: str, tensor: torch.Tensor, nbytes: int, event: Any = None,
-                 keep: tuple = (), origin_stream: Any = None, record_on_consume: bool = False):
+                 keep: tuple = (), origin_stream: Any = None):
         self.direction = direction            # "d2h" or "h2d"
         self.nbytes = nbytes
         self.tensor = tensor
@@ -123,7 +120,6 @@ class CopyHandle:
         self._event = event                   # None: the copy was synchronous
         self._keep = keep                     # tensors the in-flight copy still reads (rule 3 / 8)
         self._origin_stream = origin_stream   # the stream that was current at issue
-        self._record_on_consume = record_on_consume  # rule 5: dst allocated on the side stream
         self._complete = event is None
 
     def _finish(self) -> None:
@@ -144,7 +140,6 @@ class CopyHandle:
                 self._device._count_host_wait()
             self._event.synchronize()
             self._finish()
-        self._consumed_on_current()
         return self.tensor
 
     def wait_on_current(self) -> torch.Tensor:
@@ -157,12 +152,7 @@ class CopyHandle:
             current.wait_event(self._event)
             if self.direction == "d2h" and current == self._origin_stream:
                 self._keep = ()
-        self._consumed_on_current()
         return self.tensor
-
-    def _consumed_on_current(self) -> None:
-        if self._record_on_consume:
-            self.tensor.record_stream(self._device._acc.current_stream())
 
     def __repr__(self) -> str:
         state = "done" if self._complete else "in flight"
@@ -244,6 +234,7 @@ class Device:
     (False on DeepSpeed's CPU accelerator: no streams or events exist, copies are synchronous)."""
 
     _current: ClassVar["Device | None"] = None
+    _cpu: ClassVar["Device | None"] = None
     _current_lock: ClassVar[threading.Lock] = threading.Lock()
 
     __slots__ = ("_acc", "_name", "_torch_device", "_has_streams", "_d2h", "_h2d", "_lock", "_counts",
@@ -269,6 +260,18 @@ class Device:
             if cls._current is None:
                 cls._current = cls()
             return cls._current
+
+    @classmethod
+    def of(cls, device: torch.device) -> "Device":
+        """The Device for tensors on `device`: the process's accelerator if it is of that type
+        (`current()`), else the synchronous CPU path (a model on CPU on a GPU machine)."""
+        current = cls.current()
+        if current.torch_device.type == device.type:
+            return current
+        with cls._current_lock:
+            if cls._cpu is None:
+                cls._cpu = cls.cpu()
+            return cls._cpu
 
     @classmethod
     def cpu(cls) -> "Device":
@@ -367,27 +370,26 @@ class Device:
         nbytes = src.numel() * src.element_size()
         self._count("d2h", nbytes)
         if not self._has_streams:
-            with torch.no_grad():
-                dst.copy_(src)
+            self._copy(dst, src, None)
             return CopyHandle(self, "d2h", dst, nbytes)
         acc = self._acc
         current, side = acc.current_stream(), self._side("d2h")
         side.wait_stream(current)                                   # rule 1
-        with acc.stream(side), torch.no_grad():
-            dst.copy_(src, non_blocking=True)                       # rule 2
+        with acc.stream(side):
+            self._copy(dst, src, side)                              # rule 2
             event = acc.Event()
             event.record(side)
         return CopyHandle(self, "d2h", dst, nbytes, event, keep=(src,), origin_stream=current)  # rule 3
 
     def copy_in(self, src: torch.Tensor, dst: torch.Tensor | None = None, *,
-                order_after_current: bool = False) -> CopyHandle:
+                after: CopyHandle | None = None) -> CopyHandle:
         """Copy a host tensor to the device (H2D); `handle.tensor` is the device tensor.
 
-        With streams: on the H2D side stream, non-blocking; a missing `dst` is allocated on that
-        stream and `record_stream`-ed on the consuming stream (rule 5); a given `dst`, or
-        `order_after_current=True`, orders the copy after the work queued on the current stream.
-        Consume with `handle.wait_on_current()` (rule 7). Without streams: synchronous; a missing
-        `dst` is a new tensor (never a view of `src`, whose pool buffer will be reused)."""
+        With streams: on the H2D side stream, non-blocking, after the work queued on the current
+        stream and after `after` (the copy-out that filled `src`), both device-side; a missing `dst`
+        is allocated on the current stream (Stream protocol, rules 5-8). Consume with
+        `handle.wait_on_current()`. Without streams: synchronous; a missing `dst` is a new tensor
+        (never a view of `src`, whose pool buffer will be reused)."""
         if dst is not None:
             self._check_pair(dst, src, "copy_in", src_on_device=True)
         elif src.device.type != "cpu":
@@ -395,25 +397,32 @@ class Device:
                               f"pass the pooled host buffer's view")
         nbytes = src.numel() * src.element_size()
         self._count("h2d", nbytes)
-        if not self._has_streams:
+        if dst is None:
             with torch.no_grad():
-                if dst is None:
-                    dst = torch.empty(src.shape, dtype=src.dtype, device=self._torch_device)
-                dst.copy_(src)
+                dst = torch.empty(src.shape, dtype=src.dtype, device=self._torch_device)   # rule 5
+        if not self._has_streams:
+            self._copy(dst, src, None)
             return CopyHandle(self, "h2d", dst, nbytes)
         acc = self._acc
         current, side = acc.current_stream(), self._side("h2d")
-        allocate = dst is None
-        if not allocate or order_after_current:
-            side.wait_stream(current)                               # rule 5, alternative
-        with acc.stream(side), torch.no_grad():
-            if allocate:
-                dst = torch.empty(src.shape, dtype=src.dtype, device=self._torch_device)   # rule 5
-            dst.copy_(src, non_blocking=True)                       # rule 6
+        side.wait_stream(current)                                   # rule 5
+        if after is not None and not after.done():
+            side.wait_event(after._event)                           # rule 6
+        with acc.stream(side):
+            self._copy(dst, src, side)                              # rule 6
             event = acc.Event()
             event.record(side)
-        return CopyHandle(self, "h2d", dst, nbytes, event, keep=(src,), origin_stream=current,
-                          record_on_consume=allocate)
+        return CopyHandle(self, "h2d", dst, nbytes, event, keep=(src,), origin_stream=current)
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """`dst.copy_(src)`, non-blocking on `stream` (None: synchronous). An accelerator may issue
+        copies itself (`issue_copy`; the tests' late-completing fake does, DeepSpeed's do not)."""
+        issue = getattr(self._acc, "issue_copy", None)
+        with torch.no_grad():
+            if issue is not None and stream is not None:
+                issue(dst, src, stream)
+            else:
+                dst.copy_(src, non_blocking=stream is not None)
 
     def synchronize(self) -> None:
         """Block the host until all queued work on the device is done (counted as a host wait)."""

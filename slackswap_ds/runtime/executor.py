@@ -1,48 +1,74 @@
 """Run training steps under a Plan: keep, swap or recompute each saved tensor, exactly.
 
-`apply(model, plan, profile)` is a context manager; every step run inside it follows the plan.
-It names each saved tensor the way the profiler did (it *is* a StepTracer), and returns to
-autograd a small holder instead of the tensor:
+`apply(model, plan, profile)` lowers the plan to its Schedule (plan.py) and returns an `Executor`,
+a context manager: every step run inside follows the Schedule. Saved-tensor hooks are the whole
+steady-state mechanism; no dispatch mode watches a step, except inside the layer calls whose
+tensors the plan recomputes (replay.py), as torch's selective checkpointing does.
 
-* KEEP: the holder holds the tensor.
-* SWAP: the whole storage is copied once into a pooled host buffer (Device.copy_out; see the
-  "Stream protocol" in device.py) and the device copy is dropped; backward copies it back in once
-  and rebuilds each saved view over it. If the pool is exhausted the tensor is kept (counted).
-* RECOMPUTE: the holder holds nothing. The first time backward unpacks a recomputed tensor of a
-  layer, the layer's forward is replayed (`_Replay`): with the RNG state each random op saw in
-  forward, re-running only the plan's producer ops and handing every other op its kept, swapped
-  or (if nothing reads it) empty output, stopping after the last producer.
+Pack (forward). The executor names each saved tensor the way the profiler did (naming.py: its
+region label, the rank of its storage among the region's saved storages, its autograd node) and
+looks its decision up in the Schedule's plan. A storage saved several times, or as several views,
+is one entry. Autograd gets a small holder instead of the tensor:
 
-Own accounting: bytes of saved storages held on the device by this executor, from save (or copy
-in, or recompute) until autograd drops the last holder of that storage.
+* KEEP: the holder holds the tensor (detached: a node that saves its own output must not form a
+  reference cycle through the holder).
+* SWAP: the storage is copied once into a pooled host buffer (Device.copy_out, see the "Stream
+  protocol" in device.py); the device copy is released when the copy ends. A blocking plan waits
+  for it right there (torch's save_on_cpu semantics; the Schedule's FWD waits).
+* RECOMPUTE: the holder holds nothing; the layer call that made the tensor is replayed in
+  backward (replay.py).
 
-Backward follows the Schedule: when autograd reaches the node of forward op j, the prefetch of every
-swapped tensor whose trigger op comes after j is issued, and j's layer is replayed first if it
-recomputes anything. With streams the copies overlap compute (device.py's "Stream protocol"); on
-the CPU accelerator they are real synchronous copies, so the accounting equals the simulator's
-prediction on `Hardware.instant_copies()`.
+Anything that does not match the Schedule (a tensor the profile did not see, another size, a
+recompute outside its layer call, a full host pool) is kept, counted in `stats.fallbacks` and
+logged once per step: a plan can cost memory, never correctness.
+
+Unpack (backward). Backward's position is the first reader (profile op index) of the entries it
+unpacks; when it passes a COPY_IN's trigger op the prefetch is issued, and when it enters a layer
+call that recomputes, the call is replayed first (the Schedule's RECOMPUTE at the region's first
+backward op). A swapped tensor that is not back yet is copied in on the spot (`copy_waits`). Compute
+waits on a prefetch's event before reading it (device-side). Autograd releasing a holder ends
+that entry's life on the device.
+
+Verification. The first step under each plan also copies every RECOMPUTE tensor to the host in
+forward, and compares the replay's result with it bit for bit (dtype, shape, values). A replay that
+fails or differs hands backward the original instead, so the step stays exact; afterwards the
+failing tensors are demoted (never recomputed again), the profile is re-planned within the budget
+and one log line names the keys and the reason.
+
+Accounting (`stats.last_step.peak_device_bytes`, DESIGN.md's budget): bytes of saved storages
+that this executor holds on the device, from save (or copy-in start, or regeneration) until the
+last holder is released, counting a swap until its copy-out ends. Tensors on another device than
+the model's (attention kernels' CPU seeds) are left alone and counted apart.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
+import threading
 import weakref
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import PlanError
-from ..plan import END_OF_FORWARD, Decision, Plan
+from ..plan import Decision, Kind, Plan, Schedule, lower
 from ..profile import StepProfile
 from .device import Device
 from .host_pool import HostPool
+from .naming import activation_key, maker_of
+from .regions import RegionTracker, find_layers
+from .replay import CallRecord, Recorder, ReplayError, autocast_state, meta_of, rebuild, replaying, run_replay
 from .timeline import MeasuredStep, Timeline
-from .tracing import _FREE_OPS, StepTracer, _in_backward, _storage_ptr
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("slackswap_ds")
+
+__all__ = ["Executor", "ReplayError", "RunStats", "StepStats", "apply"]
 
 
 @dataclass
@@ -53,11 +79,16 @@ class StepStats:
     swapped_bytes: int = 0
     recomputed_bytes: int = 0
     ops_recomputed: int = 0
-    recomputed_ops: list[str] = field(default_factory=list)
+    recomputed_ops: list[str] = field(default_factory=list)  # op keys re-run by replays, in order
+    unplanned_reruns: int = 0  # ops a replay had to re-run that the Schedule did not list
     peak_device_bytes: int = 0
     host_pool_bytes: int = 0
-    copy_waits: int = 0
+    copy_waits: int = 0  # swapped tensors backward needed before their prefetch had run
+    other_device_bytes: int = 0  # saved tensors on another device than the model's (left alone)
+    resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
+    verified: bool | None = None  # this step checked the plan's recomputes: True = all equal
+    demoted: dict[str, str] = field(default_factory=dict)  # key -> why it failed verification
 
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
@@ -68,298 +99,729 @@ class RunStats:
     steps: int = 0
     last_step: StepStats = field(default_factory=StepStats)
     last_timeline: MeasuredStep | None = None  # with record=True: the last step, for report.chrome_trace
+    plan: Plan | None = None  # the plan steps run under now (re-planning after a demotion changes it)
+    demotions: list[dict[str, str]] = field(default_factory=list)  # each re-plan: key -> reason
 
 
+# ---- the Schedule as the executor reads it -------------------------------------------------------
+@dataclass(frozen=True)
+class _Planned:
+    decision: Decision
+    nbytes: int
+    first_read: int  # profile op whose backward reads it first
+
+
+class Program:
+    """What the executor needs from a lowered Schedule, indexed for hooks (built once per plan)."""
+
+    def __init__(self, schedule: Schedule, profile: StepProfile):
+        plan = schedule.plan
+        self.plan, self.profile, self.blocking = plan, profile, plan.blocking
+        self.acts = {a.key: _Planned(plan.decision[a.key], a.bytes, a.first_read) for a in profile.activations}
+        ops = profile.ops
+        op_index = {o.key: i for i, o in enumerate(ops)}
+        self.n_ops = len(ops)
+        first: dict[str, int] = {}
+        for i, o in enumerate(ops):
+            first.setdefault(o.region, i)
+        self.region_of_op = [o.region for o in ops]
+        self.op_keys = {(o.region, i - first[o.region]): o.key for i, o in enumerate(ops)}
+        # RECOMPUTE instructions: the ops each region's replay re-runs (indices within the region)
+        rerun: dict[str, set[int]] = {}
+        triggers: dict[int, list[str]] = {}
+        instrs = schedule.instrs
+        for ins in instrs:
+            if ins.kind is Kind.RECOMPUTE:
+                i = op_index[ins.name]
+                rerun.setdefault(ops[i].region, set()).add(i - first[ops[i].region])
+            elif ins.kind is Kind.COPY_IN:
+                trigger = instrs[ins.waits[1]]  # waits = (its copy-out, its trigger)
+                # FWD(last op): at the end of forward, i.e. as soon as backward starts
+                at = self.n_ops if trigger.kind is Kind.FWD else op_index[trigger.name]
+                triggers.setdefault(at, []).append(ins.name)
+        self.rerun = {r: frozenset(s) for r, s in rerun.items()}
+        self.triggers = sorted(triggers.items(), reverse=True)  # fire while backward passes them
+        self.any_backward_work = bool(self.triggers or self.rerun)
+
+
+# ---- entries ---------------------------------------------------------------------------------------
 class _Entry:
     """One saved storage in one step."""
 
-    __slots__ = ("key", "decision", "nbytes", "region", "storage", "buffer", "holders", "resident",
-                 "out_handle", "in_handle")
+    __slots__ = ("key", "decision", "nbytes", "first_read", "storage", "buffer", "holders", "resident",
+                 "out_handle", "in_handle", "reached", "original", "ref", "step", "call")
 
-    def __init__(self, key: str, decision: Decision, nbytes: int, region: str):
-        self.key, self.decision, self.nbytes, self.region = key, decision, nbytes, region
-        self.storage: torch.Tensor | None = None  # uint8 tensor over the device storage
+    def __init__(self, key: str, decision: Decision, nbytes: int, first_read: int | None, ref, step: "_Step"):
+        self.key, self.decision, self.nbytes, self.first_read, self.ref, self.step = \
+            key, decision, nbytes, first_read, ref, step
+        self.storage: torch.Tensor | None = None  # a tensor over the device storage (no autograd history)
         self.buffer = None  # HostBuffer of a swapped storage
-        self.holders = 0
+        self.holders = 0  # holders autograd keeps, plus pins of a pending replay
         self.resident = False
         self.out_handle = None  # CopyHandle of its D2H copy (swaps)
-        self.in_handle = None  # CopyHandle of its H2D copy, until the compute stream has waited on it
+        self.in_handle = None  # CopyHandle of its H2D copy
+        self.reached = False  # backward has unpacked it
+        self.original = None  # HostBuffer with forward's bytes (verification of a RECOMPUTE entry)
+        self.call: CallRecord | None = None  # the layer call whose replay makes it (RECOMPUTE)
 
 
 class _Holder:
-    __slots__ = ("entry", "tensor", "meta", "__weakref__")
+    """What autograd keeps for one saved tensor. Its death releases the entry through a queue the
+    executor drains under its lock (finalizers run on any thread, at any point)."""
 
-    def __init__(self, entry: _Entry, tensor: torch.Tensor | None, meta: tuple):
-        self.entry, self.tensor, self.meta = entry, tensor, meta
+    __slots__ = ("entry", "tensor", "meta", "version", "alive", "queue")
 
+    def __init__(self, queue, entry: _Entry, tensor: torch.Tensor | None, meta: tuple, version: int, alive):
+        self.queue, self.entry, self.tensor, self.meta, self.version, self.alive = \
+            queue, entry, tensor, meta, version, alive
 
-def _meta(t: torch.Tensor) -> tuple:
-    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.device, t.requires_grad)
-
-
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 tensor over t's whole storage."""
-    storage = t.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage, 0, (storage.nbytes(),), (1,))
-
-
-def _rebuild(storage: torch.Tensor, meta: tuple) -> torch.Tensor:
-    dtype, shape, stride, offset, device, _ = meta
-    with torch.no_grad():
-        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage.untyped_storage(), offset, shape, stride)
+    def __del__(self):
+        try:
+            self.queue.append(self.entry)
+        except Exception:  # interpreter shutdown
+            pass
 
 
-class Executor(StepTracer):
-    """The mode behind `apply` (see the module docstring)."""
+_DROPPED = object()  # what a replay's own saves become (never unpacked)
 
-    def __init__(self, model: nn.Module, plan: Plan, profile: StepProfile, *, device: Device | None = None,
-                 pool: HostPool | None = None, record: bool = False):
-        super().__init__(model)
+
+class _Step:
+    """One step: the forwards since the last backward, and the backward that follows them."""
+
+    def __init__(self, verifying: bool):
+        self.stats = StepStats()
+        self.backward = False  # backward has started (a new forward then starts a new step)
+        self.verifying = verifying
+        self.by_storage: dict[int, _Entry] = {}  # storage cdata -> entry (entry.ref pins the cdata)
+        self.by_key: dict[str, _Entry] = {}
+        self.ordinals: dict[str, int] = {}
+        self.calls: dict[str, CallRecord] = {}  # recorded layer calls by label
+        self.writers: dict[int, tuple] = {}  # storage cdata -> (call, op, output, weak ref), recorded calls
+        self.position = 0  # smallest first-read op backward has reached
+        self.triggers: list = []  # pending (op, keys), descending
+        self.failures: dict[str, str] = {}  # verification: key -> reason
+
+
+def _is_parameter(t: torch.Tensor) -> bool:
+    """A parameter or a view of one, also when ZeRO-3 swapped in a gathered storage (`ds_id`).
+    (Parameters are leaves that require grad: the cheap test first, the isinstance only then.)"""
+    base = t._base if t._base is not None else t
+    return base.is_leaf and base.requires_grad and (isinstance(base, nn.Parameter) or hasattr(base, "ds_id"))
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _device_type(model: nn.Module) -> str:
+    p = next(iter(model.parameters()), None)
+    return p.device.type if p is not None else "cpu"
+
+
+_internal = torch._C._DisableTorchDispatch  # our own tensor work: invisible to every dispatch mode
+_PLAIN = (torch.Tensor, nn.Parameter)  # tensor subclasses (FakeTensor, DTensor, ...) are left to autograd
+
+
+class Executor:
+    """The context behind `apply` (see the module docstring). ``with executor as stats:``.
+
+    Without a schedule it runs in profiling mode: every saved tensor goes to host (blocking) and
+    comes back when backward needs it; `observer` (the tracer) hears of every save and unpack."""
+
+    def __init__(self, model: nn.Module, schedule: Schedule | None, profile: StepProfile | None, *,
+                 pool: HostPool | None = None, record: bool = False, verify: bool = True,
+                 replan: Callable[[StepProfile, Plan, dict[str, str]], tuple[StepProfile, Plan]] | None = None,
+                 observer: Any = None, takeover: bool = True):
+        self.model = model
         self.record = record  # keep a measured timeline of each step (stats.last_timeline)
-        self.plan, self.profile = plan, profile
-        self.device = device or Device.current()
-        self.pool = pool or HostPool(None, self.device)
+        self.verify = verify
+        self.replan = replan or replan_without
+        self.observer = observer
+        self.takeover = takeover
         self.stats = RunStats()
-        self._layer_by_path = dict(self.layers)
-        # per layer region: the local indices of ops to re-run, and the keys recomputed there
-        self._rerun: dict[str, set[int]] = {}
-        # saved tensors a replay reads: held (pinned) until their region's replay has run, even
-        # if autograd is done with them sooner
-        self._replay_deps: set[str] = set()
-        for a in profile.activations:
-            if plan.decision.get(a.key) is Decision.RECOMPUTE:
-                region = profile.region_of(a)
-                self._rerun.setdefault(region, set()).update(
-                    int(profile.ops[p].key.rsplit(":", 2)[1]) for p in a.producers)
-                self._replay_deps.update(d for d in a.deps if plan.decision.get(d) is not Decision.RECOMPUTE)
-        # prefetch: op index -> swapped keys to copy in once that op's backward has run
-        op_index = {o.key: i for i, o in enumerate(profile.ops)}
-        self._triggers: dict[int, list[str]] = {}
-        for key, trig in plan.prefetch:
-            at = len(profile.ops) if trig == END_OF_FORWARD else op_index[trig]
-            self._triggers.setdefault(at, []).append(key)
-        self._reset_step()
-
-    # ---- step lifecycle ----------------------------------------------------------------------
-    def _reset_step(self) -> None:
-        self.ops, self.storages, self._ptr_to_sid = [], {}, {}
-        self._region, self._layers_done, self._region_counts = "pre", 0, {}
-        self._pending_saves, self._fallback_saver, self._pack_order = [], {}, {}
-        self._last_outputs, self._node_to_op, self._nodes = [], {}, []
-        self._backward_started = self._collected = False
-        self._entries: dict[str, _Entry] = {}
-        self._by_sid: dict[int, _Entry] = {}
-        self._inputs_seen: dict[str, int] = {}
-        self._layer_call: dict[str, tuple] = {}  # region -> (args, kwargs, rng state)
-        self._rng_before: dict[tuple[str, int], torch.Tensor] = {}
-        self._out_meta: dict[tuple[str, int], list[tuple]] = {}
-        self._replayed: set[str] = set()
-        self._pins: dict[str, list[_Entry]] = {}
-        self._in_flight: list[_Entry] = []
-        self._pending_triggers = sorted(self._triggers, reverse=True)
-        self._replaying = False
-        self._internal = False
+        self.layers = find_layers(model)
+        self.regions = RegionTracker()
+        self.call_arguments: dict[str, list[str]] = {}  # profiling: saved tensors each layer call takes
+        self._pool = pool
+        self._program: Program | None = None
+        self._verify_next = False
+        if schedule is not None:
+            self._set_program(Program(schedule, profile))
+        self._lock = threading.RLock()
+        self._dropped: collections.deque = collections.deque()
+        self._in_flight: collections.deque = collections.deque()  # swaps whose copy-out may not have ended
         self._resident = 0
-        self._step = StepStats()
+        self._step: _Step | None = None
+        self._handles: list = []
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._stack: contextlib.ExitStack | None = None
+        self._params: set[int] = set()
+        self._device: Device | None = None
+        self._device_type = "cpu"
         self._timeline: Timeline | None = None
+        self._recorders: dict[str, Recorder] = {}
+        self._call_args: list[int] = []  # profiling: storages of the running call's arguments
+        self._eval_depth = 0  # inside a model forward in eval mode (with grad): not planned
+        self._replay_step: _Step | None = None
+        self._warned: set[str] = set()
+        self._tracer = None  # record=True: times every op of recorded steps
 
-    def _enter_model(self, module, args):
-        if _in_backward() or self._replaying:
-            return
-        if self._started:  # a new step: close the last one
-            self._close_step()
-        self._started = True
-        if self.record:
-            self._timeline = Timeline()
+    # ---- plan ---------------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        return self._program.plan if self._program else None
 
-    def _close_step(self) -> None:
-        self.stats.steps += 1
-        self._step.host_pool_bytes = self.pool.stats().bytes_in_use
-        self.stats.last_step = self._step
-        if self._timeline is not None:
-            self.stats.last_timeline = self._timeline.close(self._step.peak_device_bytes)
-        self._reset_step()
+    @property
+    def profile(self) -> StepProfile | None:
+        return self._program.profile if self._program else None
 
-    def __exit__(self, *exc):
-        out = super().__exit__(*exc)
-        if self._started:
-            self._close_step()
-        return out
+    def _set_program(self, program: Program) -> None:
+        self._program = program
+        self.stats.plan = program.plan
+        self._verify_next = self.verify and bool(program.rerun)
 
-    # ---- forward: capture what a replay needs --------------------------------------------------
-    def _enter_layer(self, path: str):
-        def hook(module, args, kwargs):
-            if _in_backward() or self._replaying or self._backward_started or not self._started:
-                return
-            self._region = path
-            if path in self._rerun:
-                self._layer_call[path] = (args, kwargs, torch.get_rng_state(), self._device_rng())
-        return hook
+    @property
+    def pool(self) -> HostPool:
+        if self._pool is None:
+            self._pool = HostPool(None, self._device or Device.of(torch.device(self._device_type)))
+        return self._pool
 
-    def __enter__(self):
-        self._param_ptrs = {_storage_ptr(p) for p in self.model.parameters()}
-        self._param_ptrs |= {_storage_ptr(b) for b in self.model.buffers()}
-        self._handles.append(self.model.register_forward_pre_hook(self._enter_model))
-        for path, layer in self.layers:
-            self._handles.append(layer.register_forward_pre_hook(self._enter_layer(path), with_kwargs=True))
-            self._handles.append(layer.register_forward_hook(self._leave_layer))
-        self._hooks.__enter__()
-        TorchDispatchMode.__enter__(self)
+    # ---- context ------------------------------------------------------------------------------
+    def __enter__(self) -> RunStats:
+        from .takeover import takeover
+        from .tracing import StepTracer
+
+        if self._device is None:  # first entry (the engine enters once per step)
+            self._device_type = _device_type(self.model)
+            self._device = Device.of(torch.device(self._device_type))
+            # a fast pre-check: parameters and buffers are never activations (_is_parameter is the
+            # full test, for parameters replaced later and ZeRO-3's gathered ones)
+            self._params = {t.untyped_storage()._cdata for t in (*self.model.parameters(), *self.model.buffers())}
+        stack = contextlib.ExitStack()
+        try:
+            if self.takeover:
+                stack.enter_context(takeover(self.model))
+            self._handles.append(self.model.register_forward_pre_hook(self._model_called))
+            self._handles.append(self.model.register_forward_hook(self._model_returned, always_call=True))
+            for path, layer in self.layers:
+                self._handles.append(layer.register_forward_pre_hook(self._call_hook(path), with_kwargs=True))
+                self._handles.append(layer.register_forward_hook(self._return_hook(path), always_call=True))
+            stack.enter_context(self._hooks)
+            if self.record and self.observer is None:
+                self._tracer = StepTracer(lambda: self.regions.label)
+                stack.enter_context(self._tracer)
+        except BaseException:
+            stack.close()
+            self._remove_hooks()
+            raise
+        self._stack = stack
         return self.stats
 
-    def _finish_forward(self) -> None:
-        # Only bind autograd nodes: asking nodes for their saved tensors would unpack (and so
-        # replay) recomputed ones. Savers are not needed here; the plan names tensors by key.
-        if not self._collected:
-            self._collected = True
-            self._bind_last_node()
+    def __exit__(self, *exc):
+        try:
+            for rec in list(self._recorders.values()):  # an exception left a layer call open
+                rec.__exit__(None, None, None)
+            self._recorders.clear()
+            if self._stack is not None:
+                self._stack.close()
+                self._stack = None
+        finally:
+            self._remove_hooks()
+            self._tracer = None
+            self._eval_depth = 0
+            with self._lock:
+                self._close_step()
+        return False
 
-    def _leave_layer(self, module, args, output):
-        if self._replaying:
+    def _remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # ---- steps --------------------------------------------------------------------------------
+    def _forward_step(self) -> _Step:
+        step = self._step
+        if step is None or step.backward:
+            self._close_step()
+            step = self._step = _Step(self._verify_next and self._program is not None)
+            self.regions.reset()
+            if self.record:
+                self._timeline = Timeline()
+                tracer = self.observer if self.observer is not None else self._tracer
+                if tracer is not None:
+                    tracer.timeline = self._timeline
+        return step
+
+    def _close_step(self) -> None:
+        step = self._step
+        if step is None:
             return
-        super()._leave_layer(module, args, output)
+        self._step = None
+        self._drain()
+        if self.observer is not None and self._program is None:
+            self.observer.step_closed()  # profiling: one step is the profile (accumulation runs several)
+        stats = step.stats
+        stats.host_pool_bytes = self._pool.stats().bytes_in_use if self._pool is not None else 0
+        self.stats.steps += 1
+        self.stats.last_step = stats
+        if self._timeline is not None:
+            self.stats.last_timeline = self._timeline.close(stats.peak_device_bytes)
+            self._timeline = None
+        if step.verifying:
+            stats.verified = not step.failures
+            stats.demoted = dict(step.failures)
+            self._verify_next = False
+            if step.failures:
+                self._demote(step.failures)
+        for why, n in stats.fallbacks.items():
+            if why not in self._warned:
+                self._warned.add(why)
+                log.warning("slackswap: %d saved tensor(s) in step %d (%s); counted in stats.fallbacks, "
+                            "warned once", n, self.stats.steps, why)
 
-    def _device_rng(self):
-        return torch.cuda.get_rng_state() if self.device.name == "cuda" else None
+    def _demote(self, failures: dict[str, str]) -> None:
+        program = self._program
+        profile, plan = self.replan(program.profile, program.plan, failures)
+        self._set_program(Program(lower(profile, plan), profile))
+        self.stats.demotions.append(dict(failures))
+        reasons = sorted(set(failures.values()))
+        log.warning("slackswap: %d recomputed tensor(s) did not replay exactly on the first step under plan %s "
+                    "(%s; e.g. %s); they are never recomputed now; re-planned: plan %s (%s)", len(failures),
+                    program.plan.digest[:12], "; ".join(reasons[:3]), ", ".join(sorted(failures)[:4]),
+                    plan.digest[:12], plan.planner)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self._internal:  # our own copies and views: not the model's ops
-            return func(*args, **(kwargs or {}))
-        if _in_backward() and not self._replaying:
-            self._backward_reached()
-        tl = self._timeline
-        if tl is not None and not self._replaying and (_in_backward() or self._started and not self._backward_started):
-            return self._timed(func, types, args, kwargs, tl)
-        return self._dispatch(func, types, args, kwargs)
+    # ---- module hooks --------------------------------------------------------------------------
+    def _tracking(self) -> bool:
+        """Module calls that belong to the step: grad on, not in backward, not a replay, not eval."""
+        return torch.is_grad_enabled() and not _in_backward() and not replaying() and not self._eval_depth
 
-    def _timed(self, func, types, args, kwargs, tl: Timeline):
-        """The op, with its span on the timeline: forward ops by key, backward ops by the forward
-        op whose autograd node runs them."""
-        backward = _in_backward()
-        start = tl.now()
-        n_ops = len(self.ops)
-        out = self._dispatch(func, types, args, kwargs)
-        if backward:
-            node = torch._C._current_autograd_node()
-            j = self._node_to_op.get(id(node)) if node is not None else None
-            if j is not None:
-                tl.span("compute", "bwd", self.ops[j].key, start, tl.now())
-        elif len(self.ops) > n_ops:
-            tl.span("compute", "fwd", self.ops[-1].key, start, tl.now())
-        return out
+    def _model_called(self, module, args):
+        if not self._tracking():
+            return
+        if not module.training:  # an eval-mode forward with grad: left to autograd (not planned)
+            self._eval_depth += 1
+            return
+        with self._lock:
+            self._forward_step()
 
-    def _dispatch(self, func, types, args=(), kwargs=None):
-        if self._replaying or not self._started or self._backward_started or _in_backward():
-            return super().__torch_dispatch__(func, types, args, kwargs)
-        if self._in_flight:
-            self._poll_copies()
-        region = self._region
-        compute = not (func.is_view or func.overloadpacket.__name__ in _FREE_OPS)
-        if compute and region in self._rerun:
-            local = self._region_counts.get(region, 0)
-            if torch.Tag.nondeterministic_seeded in func.tags:
-                self._rng_before[region, local] = torch.get_rng_state()
-            out = super().__torch_dispatch__(func, types, args, kwargs)
-            self._out_meta[region, local] = [_meta(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-            return out
-        return super().__torch_dispatch__(func, types, args, kwargs)
+    def _model_returned(self, module, args, output):
+        if self._eval_depth and not module.training and not _in_backward() and not replaying():
+            self._eval_depth -= 1
 
-    # ---- pack / unpack -----------------------------------------------------------------------
-    def _key_for(self, t: torch.Tensor, sid: int) -> tuple[str, str]:
-        region = self._region
-        st = self.storages[sid]
-        writer = self.ops[st.producer] if st.producer is not None else None
-        if writer is not None and writer.region == region:
-            n = writer.writes.index(sid)
-            return writer.key + (f".{n}" if n else ""), region
-        n = self._inputs_seen.get(region, 0)
-        self._inputs_seen[region] = n + 1
-        return f"{region}:input.{n}", region
+    def _call_hook(self, path: str):
+        def hook(module, args, kwargs):
+            if not self._tracking() or self.regions.in_call:
+                return
+            with self._lock:
+                step = self._forward_step()
+                label = self.regions.enter(path)
+                if self.observer is not None:
+                    self._call_args = [t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                                       if isinstance(t, torch.Tensor)]
+                program = self._program
+                if program is None or label not in program.rerun:
+                    return
+                call = CallRecord(label, module, autocast=autocast_state(self._device_type))
+                flat, spec = tree_flatten((args, kwargs))
+                with _internal():  # held without autograd history: no cycle through the graph
+                    flat = [_Detached(t) if isinstance(t, torch.Tensor) else t for t in flat]
+                call.args = (flat, spec)
+                call.versions = [(a.tensor, a.tensor._version) for a in flat if isinstance(a, _Detached)]
+                step.calls[label] = call
+                rec = self._recorders[label] = Recorder(call, self._recorded_output)
+            rec.__enter__()
+        return hook
 
-    def _pack(self, t: torch.Tensor):
-        sid = self._note_save(t)
-        if sid is None:
-            return t
-        # by storage id, not address: a swapped or recomputed storage dies in forward, and the
-        # allocator hands its address to the next one
-        entry = self._by_sid.get(sid)
-        if entry is None:
-            key, region = self._key_for(t, sid)
-            self._internal = True
-            try:
-                entry = self._new_entry(key, region, t)
-            finally:
-                self._internal = False
-            self._by_sid[sid] = entry
-        return self._hold(entry, t)
+    def _return_hook(self, path: str):
+        def hook(module, args, output):
+            if self.regions.path != path or _in_backward() or replaying():
+                return
+            label = self.regions.label
+            rec = self._recorders.pop(label, None)
+            if rec is not None:
+                rec.__exit__(None, None, None)
+            with self._lock:
+                step = self._step
+                if step is not None:
+                    if self.observer is not None:
+                        keys = [step.by_storage[c].key for c in self._call_args if c in step.by_storage]
+                        self.call_arguments[label] = list(dict.fromkeys(keys))
+                    call = step.calls.get(label)
+                    if call is not None:
+                        self._hold_arguments(step, call)
+                self.regions.leave()
+        return hook
 
-    def _new_entry(self, key: str, region: str, t: torch.Tensor) -> _Entry:
-        decision = self.plan.decision.get(key)
-        if decision is None:
-            self._step.fallback("unplanned tensor kept")
-            decision = Decision.KEEP
-        if decision is Decision.RECOMPUTE and region not in self._layer_call:
-            self._step.fallback("recompute outside a replayable layer: kept")
-            decision = Decision.KEEP
-        entry = _Entry(key, decision, t.untyped_storage().nbytes(), region)
-        self._entries[key] = entry
-        if key in self._replay_deps and region in self._layer_call:
-            entry.holders += 1
-            self._pins.setdefault(region, []).append(entry)
-        if decision is Decision.SWAP:
-            buf = self.pool.acquire(entry.nbytes)
-            if buf is None:
-                self._step.fallback("host pool exhausted: kept")
-                entry.decision = Decision.KEEP
+    def _hold_arguments(self, step: _Step, call: CallRecord) -> None:
+        """A replay calls the layer again with its arguments: those the step saved are held through
+        their entries (pinned until the replay; a swapped input must not stay on the device)."""
+        live = [e for e in call.targets.values() if e.decision is Decision.RECOMPUTE]
+        if not live:  # nothing to replay: nothing to hold
+            call.args, call.versions, call.done = None, [], True
+            return
+        flat, spec = call.args
+        held = []
+        for a in flat:
+            entry = step.by_storage.get(a.tensor.untyped_storage()._cdata) if isinstance(a, _Detached) else None
+            if entry is not None and entry.holders > 0:
+                entry.holders += 1
+                call.pins.append(entry)
+                held.append(_Arg(entry, meta_of(a.tensor), a.requires_grad))
             else:
-                # Stream protocol (device.py): D2H on the side stream after the compute stream; the
-                # handle keeps the device source alive, and it counts as resident, until the copy ends.
-                self._arrive(entry)
+                held.append(a)
+        call.args = (held, spec)
+        call.live = len(live)
+
+    def _recorded_output(self, call: CallRecord, k: int, n: int, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        step = self._step
+        if step is not None:
+            step.writers[st._cdata] = (call, k, n, StorageWeakRef(st))
+
+    # ---- pack ---------------------------------------------------------------------------------
+    def _pack(self, t: torch.Tensor):
+        # the hot path of every step: keep it lean (see benchmarks/overhead_cpu.py)
+        if replaying():
+            return _DROPPED
+        if _in_backward() or self._eval_depth or type(t) not in _PLAIN or t.is_meta:
+            return t
+        st = t.untyped_storage()
+        cdata = st._cdata
+        if cdata in self._params:
+            return t
+        with self._lock:
+            if self._dropped:
+                self._drain()
+            step = self._step
+            if step is None or step.backward:
+                step = self._forward_step()
+            entry = step.by_storage.get(cdata)
+            if entry is None or entry.holders <= 0:  # (a released entry's address may hold a new storage)
+                if t.device.type != self._device_type:
+                    step.stats.other_device_bytes += st.nbytes()
+                    return t
+                if _is_parameter(t):
+                    return t
+                with _internal():
+                    entry = self._new_entry(step, t, st)
+                step.by_storage[cdata] = entry
+                if self.observer is not None:
+                    self.observer.saved(entry.key, t)
+            entry.holders += 1
+            if entry.decision is Decision.KEEP:
+                with _internal():
+                    return _Holder(self._dropped, entry, t.detach(), (), t._version, None)
+            return _Holder(self._dropped, entry, None, meta_of(t), t._version, weakref.ref(t))
+
+    def _new_entry(self, step: _Step, t: torch.Tensor, st) -> _Entry:
+        label = self.regions.label
+        n = step.ordinals.get(label, 0)
+        step.ordinals[label] = n + 1
+        key = activation_key(label, n, maker_of(t))
+        nbytes = st.nbytes()
+        program, stats = self._program, step.stats
+        planned = program.acts.get(key) if program is not None else None
+        if program is None:
+            decision = Decision.SWAP  # profiling: everything to host, so the step fits any budget
+        elif planned is None:
+            decision = self._fallback(step, "not in the plan's profile")
+        else:
+            decision = planned.decision
+            if planned.nbytes != nbytes:
+                # data-dependent shapes (a mixture of experts routes other token counts every step):
+                # the decision still applies, exactly; only the plan's byte counts are off
+                stats.resized += 1
+        writer = step.writers.get(st._cdata)
+        mine = writer is not None and writer[0].label == label
+        if decision is Decision.RECOMPUTE and not mine:
+            decision = self._fallback(step, "recompute of a tensor its layer call did not make")
+        # A SWAP or RECOMPUTE entry outlives its device storage: the weak reference keeps the
+        # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
+        ref = StorageWeakRef(st) if decision is not Decision.KEEP else None
+        entry = _Entry(key, decision, nbytes, planned.first_read if planned else None, ref, step)
+        if decision is Decision.SWAP:
+            step.by_key[key] = entry
+        if mine:
+            call, k, out, _ = writer
+            call.available[k, out] = entry
+            if decision is Decision.RECOMPUTE:
+                call.targets[k, out] = entry
+                entry.call = call
+        if decision is Decision.RECOMPUTE:
+            if step.verifying:
+                entry.original = self._copy_to_host(st, step)
+            return entry
+        if decision is Decision.SWAP:
+            buf = self.pool.acquire(nbytes)
+            if buf is not None:
                 entry.buffer = buf
+                self._arrive(entry)
                 start = self._timeline.now() if self._timeline else 0.0
-                entry.out_handle = self.device.copy_out(_bytes_view(t), buf.view(torch.uint8, (entry.nbytes,)))
+                entry.out_handle = self._device.copy_out(_bytes_of(st), buf.view(torch.uint8, (nbytes,)))
                 if self._timeline is not None:
-                    self._timeline.span("d2h", "copy_out", key, start, self._timeline.now(), entry.nbytes)
+                    self._timeline.span("d2h", "copy_out", key, start, self._timeline.now(), nbytes)
+                if program is None or program.blocking:
+                    entry.out_handle.wait()  # forward waits for it (plan.blocking; Stream protocol rule 4)
                 self._in_flight.append(entry)
                 self._poll_copies()
-                self._step.swapped_bytes += entry.nbytes
-        if entry.decision is Decision.KEEP:
-            entry.storage = _bytes_view(t)
-            self._arrive(entry)
-            self._step.kept_bytes += entry.nbytes
+                stats.swapped_bytes += nbytes
+                return entry
+            entry.decision = self._fallback(step, "host pool exhausted")
+        entry.storage = t.detach()
+        self._arrive(entry)
+        stats.kept_bytes += nbytes
         return entry
 
-    def _poll_copies(self) -> None:
-        """Swapped storages whose D2H copy has ended leave the device (never blocks)."""
-        still = []
-        for entry in self._in_flight:
-            if entry.out_handle.done():
-                self._leave(entry)
-            else:
-                still.append(entry)
-        self._in_flight = still
+    def _fallback(self, step: _Step, why: str) -> Decision:
+        step.stats.fallback(f"{why}: kept")
+        return Decision.KEEP
 
-    def _hold(self, entry: _Entry, t: torch.Tensor) -> _Holder:
-        holder = _Holder(entry, t if entry.decision is Decision.KEEP else None, _meta(t))
-        entry.holders += 1
-        weakref.finalize(holder, self._drop_holder, entry)
-        return holder
+    def _copy_to_host(self, st, step: _Step):
+        buf = self.pool.acquire(st.nbytes())
+        if buf is None:
+            step.stats.fallback("not verified: host pool full")
+            return None
+        self._device.copy_out(_bytes_of(st), buf.view(torch.uint8, (st.nbytes(),))).wait()
+        return buf
 
-    def _drop_holder(self, entry: _Entry) -> None:
-        entry.holders -= 1
-        if entry.holders == 0:
+    # ---- unpack --------------------------------------------------------------------------------
+    def _unpack(self, holder):
+        if type(holder) is not _Holder:
+            if holder is _DROPPED:
+                raise ReplayError("a replay's own autograd graph was used for a gradient; replays only "
+                                  "regenerate saved tensors")
+            return holder
+        entry = holder.entry
+        if self.observer is not None:
+            self.observer.unpacked(entry.key)
+        if not entry.reached:
+            with self._lock:
+                if self._dropped:
+                    self._drain()  # what backward released so far leaves before anything arrives
+                self._reached(entry)
+        t = holder.tensor
+        if t is not None:  # KEEP
+            if t._version != holder.version:
+                _modified(entry.key, holder.version, t._version)
+            return t
+        with self._lock:
+            if self._dropped:
+                self._drain()
+            t = self.materialize(entry, holder.meta)
+        if t is None:
+            raise ReplayError(f"saved tensor {entry.key!r} was needed after it was released")
+        alive = holder.alive()
+        if alive is not None and alive._version != holder.version:
+            _modified(entry.key, holder.version, alive._version)
+        return t
+
+    def _reached(self, entry: _Entry) -> None:
+        """Backward unpacks `entry` for the first time: it has reached the entry's first reader.
+        Prefetches whose trigger op it has passed are issued; a layer call it enters that
+        recomputes is replayed first (the Schedule's RECOMPUTE at the region's first backward op)."""
+        entry.reached = True
+        step = entry.step
+        program = self._program
+        if program is not None and not program.any_backward_work and step.backward:
+            return  # nothing to prefetch or replay (keep-only plans)
+        if not step.backward:
+            step.backward = True
+            if program is not None:
+                step.triggers = list(program.triggers)
+                step.position = program.n_ops
+        self._poll_copies()
+        p = entry.first_read
+        if p is None or p >= step.position or program is None:
+            return
+        step.position = p
+        with _internal():
+            while step.triggers and step.triggers[0][0] > p:
+                for key in step.triggers.pop(0)[1]:
+                    other = step.by_key.get(key)
+                    if other is not None and other.decision is Decision.SWAP and other.storage is None \
+                            and other.buffer is not None and other.holders > 0:
+                        self._copy_in(other)
+        call = step.calls.get(program.region_of_op[p])
+        if call is not None and not call.done:
+            self._replay(step, call)
+
+    def materialize(self, entry: _Entry, meta: tuple) -> torch.Tensor | None:
+        """`entry` on the device viewed as `meta`: copied in or regenerated if need be (None if
+        the entry is gone)."""
+        if entry.storage is None:
+            if entry.holders <= 0:
+                return None
+            if entry.decision is Decision.SWAP and entry.buffer is not None:
+                with _internal():
+                    self._copy_in(entry)
+                entry.step.stats.copy_waits += 1
+            elif entry.call is not None and not entry.call.done:
+                self._replay(entry.step, entry.call)
+            if entry.storage is None:
+                raise ReplayError(f"the replay of {entry.call.label if entry.call else '?'!r} did not "
+                                  f"regenerate saved tensor {entry.key!r}")
+        with _internal():
+            if entry.in_handle is not None:  # compute waits on the copy's event (no host sync)
+                entry.in_handle.wait_on_current()
+            return rebuild(entry.storage, meta)
+
+    def _copy_in(self, entry: _Entry) -> None:
+        """Issue the H2D copy (side stream, ordered after its copy-out); the bytes count from now."""
+        self._arrive(entry)
+        start = self._timeline.now() if self._timeline else 0.0
+        entry.in_handle = self._device.copy_in(entry.buffer.view(torch.uint8, (entry.nbytes,)),
+                                               after=entry.out_handle)
+        if self._timeline is not None:
+            self._timeline.span("h2d", "copy_in", entry.key, start, self._timeline.now(), entry.nbytes)
+        entry.storage = entry.in_handle.tensor
+
+    # ---- replay ---------------------------------------------------------------------------------
+    def _replay(self, step: _Step, call: CallRecord) -> None:
+        call.done = True
+        start = self._timeline.now() if self._timeline else 0.0
+        self._replay_step = step
+        try:
+            args, kwargs = self._arguments(call)
+            run_replay(self, call, self._program.rerun.get(call.label, frozenset()), args, kwargs,
+                       self._replay_context)
+        except Exception as e:  # noqa: BLE001 - any failure of the model's code in a replay
+            if not step.verifying:
+                missing = sum(1 for t in call.targets.values() if t.storage is None and t.holders > 0)
+                raise ReplayError(f"replaying layer call {call.label!r} to regenerate {missing} saved tensor(s) "
+                                  f"failed: {e}. The layer is not replayable as its plan assumed (state it "
+                                  f"mutates, a nondeterministic op, or another code path than when it was "
+                                  f"profiled); plan with its tensors kept or swapped") from e
+            why = f"replay failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            for entry in call.targets.values():
+                if entry.holders > 0:
+                    step.failures.setdefault(entry.key, why)
+                    if entry.storage is None and entry.original is not None:
+                        self._restore_original(entry)
+        finally:
+            self._replay_step = None
+            self._unpin(call)
+            if self._timeline is not None:
+                self._timeline.span("compute", "recompute", call.label, start, self._timeline.now())
+
+    def _unpin(self, call: CallRecord) -> None:
+        self._dropped.extend(call.pins)
+        call.pins, call.args, call.versions = [], None, []
+
+    def _replay_context(self):
+        from .takeover import inline_checkpoints
+
+        return inline_checkpoints() if self.takeover else contextlib.nullcontext()
+
+    def _arguments(self, call: CallRecord) -> tuple[tuple, dict]:
+        for t, version in call.versions:
+            if t._version != version:
+                raise ReplayError(f"an argument of layer call {call.label!r} was modified in place after the "
+                                  f"call (version {version} -> {t._version}); a replay would see other inputs")
+        held, spec = call.args
+        flat = []
+        with _internal():
+            for a in held:
+                if isinstance(a, _Arg):
+                    t = self.materialize(a.entry, a.meta)
+                    if t is None:
+                        raise ReplayError(f"argument {a.entry.key!r} of {call.label!r} was released before "
+                                          f"the replay")
+                    flat.append(t.requires_grad_() if a.requires_grad else t)
+                elif isinstance(a, _Detached):
+                    flat.append(a.get())
+                else:
+                    flat.append(a)
+        return tree_unflatten(flat, spec)
+
+    def ran(self, call: CallRecord, k: int) -> None:
+        """A replay ran op k of `call` for real (counted; the Schedule says which it should)."""
+        stats = (self._replay_step or self._step).stats
+        stats.ops_recomputed += 1
+        stats.recomputed_ops.append(self._program.op_keys.get((call.label, k), f"{call.label}:{k}:?"))
+        if k not in self._program.rerun.get(call.label, ()):
+            stats.unplanned_reruns += 1
+
+    def captured(self, entry: _Entry, t: torch.Tensor) -> None:
+        """The replay made RECOMPUTE `entry` again (`t`: the op's output over its storage)."""
+        with _internal():
+            st = t.untyped_storage()
+            if st.nbytes() != entry.nbytes:
+                raise ReplayError(f"the replay made {entry.key!r} in a storage of {st.nbytes()} B; forward's had "
+                                  f"{entry.nbytes} B")
+            entry.storage = t.detach()
+            self._arrive(entry)
+            entry.step.stats.recomputed_bytes += entry.nbytes
+            if entry.original is not None:
+                self._check_against_original(entry, st)
+
+    def _check_against_original(self, entry: _Entry, st) -> None:
+        """Verification: the regenerated bytes against forward's; if they differ, backward gets
+        forward's bytes (the step stays exact) and the key is demoted after the step."""
+        step = entry.step
+        fresh = self.pool.acquire(entry.nbytes)
+        if fresh is None:
+            step.stats.fallback("not verified: host pool full")
+            return
+        try:
+            self._device.copy_out(_bytes_of(st), fresh.view(torch.uint8, (entry.nbytes,))).wait()
+            same = torch.equal(fresh.view(torch.uint8, (entry.nbytes,)),
+                               entry.original.view(torch.uint8, (entry.nbytes,)))
+        finally:
+            self.pool.release(fresh)
+        if not same:
+            step.failures[entry.key] = "values differ from forward's"
             self._leave(entry)
-            entry.storage = None
+            self._restore_original(entry)
+
+    def _restore_original(self, entry: _Entry) -> None:
+        with _internal():
+            handle = self._device.copy_in(entry.original.view(torch.uint8, (entry.nbytes,)))
+            handle.wait()
+        entry.storage = handle.tensor
+        self._arrive(entry)
+
+    # ---- lifetimes ------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        """Release the entries whose last holder died (queued by _Holder.__del__)."""
+        dropped = self._dropped
+        while dropped:
+            entry = dropped.popleft()
+            entry.holders -= 1
+            if entry.holders == 0:
+                self._release(entry)
+
+    def _release(self, entry: _Entry) -> None:
+        self._leave(entry)
+        entry.storage = None
+        with _internal():
             if entry.buffer is not None:  # reusable once no copy reads or writes it any more
                 self.pool.release(entry.buffer, after=entry.in_handle or entry.out_handle)
                 entry.buffer = None
-            entry.in_handle = None
+            if entry.original is not None:
+                self.pool.release(entry.original)
+                entry.original = None
+        entry.in_handle = None
+        call = entry.call
+        if call is not None and not call.done:  # a replay nobody needs any more: unpin its arguments
+            call.live -= 1
+            if call.live <= 0:
+                call.done = True
+                self._unpin(call)
+
+    def _poll_copies(self) -> None:
+        """Swaps whose copy-out has ended leave the device. Copies on one stream end in order, so
+        only the oldest is polled (never blocks)."""
+        q = self._in_flight
+        while q and q[0].out_handle.done():
+            self._leave(q.popleft())
 
     def _arrive(self, entry: _Entry) -> None:
         if not entry.resident:
             entry.resident = True
             self._resident += entry.nbytes
-            self._step.peak_device_bytes = max(self._step.peak_device_bytes, self._resident)
+            stats = entry.step.stats
+            if self._resident > stats.peak_device_bytes:
+                stats.peak_device_bytes = self._resident
             if self._timeline is not None:
                 self._timeline.resident(self._resident)
 
@@ -370,161 +832,77 @@ class Executor(StepTracer):
             if self._timeline is not None:
                 self._timeline.resident(self._resident)
 
-    def _backward_reached(self) -> None:
-        """Backward is running the node of some forward op j: the backward of every op after j
-        is done (autograd walks the chain in reverse), so their prefetch triggers fire now; then
-        j's layer is replayed if it recomputes anything, at the region's start as the schedule
-        does, not later at the first read of a recomputed tensor."""
-        node = torch._C._current_autograd_node()
-        j = self._node_to_op.get(id(node)) if node is not None else None
-        if j is None:
-            j = len(self.profile.ops)  # not a traced op (the loss's own nodes): forward has ended
-        while self._pending_triggers and self._pending_triggers[0] > j:
-            for key in self._triggers[self._pending_triggers.pop(0)]:
-                entry = self._entries.get(key)
-                if entry is not None and entry.decision is Decision.SWAP and entry.storage is None \
-                        and entry.buffer is not None:
-                    self._copy_in(entry)
-        if j < len(self.ops) and self.ops[j].region in self._layer_call:
-            self._replay(self.ops[j].region)
 
-    def _copy_in(self, entry: _Entry) -> None:
-        """Issue the H2D copy (side stream); the device bytes count from now (see plan.py)."""
-        self._internal = True
-        try:
-            if not entry.out_handle.done():  # backward caught up with its copy-out: wait for it
-                entry.out_handle.wait()
-                self._poll_copies()
-            self._arrive(entry)
-            start = self._timeline.now() if self._timeline else 0.0
-            entry.in_handle = self.device.copy_in(entry.buffer.view(torch.uint8, (entry.nbytes,)))
-            if self._timeline is not None:
-                self._timeline.span("h2d", "copy_in", entry.key, start, self._timeline.now(), entry.nbytes)
-            entry.storage = entry.in_handle.tensor
-        finally:
-            self._internal = False
+class _Detached:
+    """A layer-call argument held without its autograd history (shares its version counter)."""
 
-    def _unpack(self, holder):
-        if not isinstance(holder, _Holder):
-            return holder
-        if _in_backward() and not self._replaying:
-            self._backward_reached()
-        entry = holder.entry
-        if holder.tensor is not None:
-            return holder.tensor
-        if entry.storage is None:
-            if entry.decision is Decision.SWAP:  # its prefetch has not run: backward waits
-                self._copy_in(entry)
-                self._step.copy_waits += 1
-            else:
-                self._replay(entry.region)
-        if entry.storage is None:
-            raise RuntimeError(f"slackswap: replay of {entry.region!r} did not regenerate {entry.key!r}")
-        if entry.in_handle is not None:  # compute waits on the copy's event (no host sync)
-            self._internal = True
-            try:
-                entry.in_handle.wait_on_current()
-            finally:
-                self._internal = False
-        return _rebuild(entry.storage, holder.meta)
+    __slots__ = ("tensor", "requires_grad")
 
-    # ---- recompute ---------------------------------------------------------------------------
-    def _replay(self, region: str) -> None:
-        if region in self._replayed:
-            return
-        self._replayed.add(region)
-        args, kwargs, cpu_rng, dev_rng = self._layer_call.pop(region)
-        layer = self._layer_by_path[region]
-        saved_cpu, saved_dev = torch.get_rng_state(), self._device_rng()
-        torch.set_rng_state(cpu_rng)
-        if dev_rng is not None:
-            torch.cuda.set_rng_state(dev_rng)
-        self._replaying = True
-        try:
-            # With grad on, as in forward, so every op takes the same kernel path (and so the same
-            # op sequence); the replay's own graph is dropped with its outputs.
-            with torch.enable_grad(), _Replay(self, region):
-                layer(*args, **kwargs)
-        except _StopReplay:
-            pass
-        finally:
-            self._replaying = False
-            for entry in self._pins.pop(region, ()):
-                self._drop_holder(entry)
-            torch.set_rng_state(saved_cpu)
-            if saved_dev is not None:
-                torch.cuda.set_rng_state(saved_dev)
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.requires_grad = t.detach(), t.requires_grad
+
+    def get(self) -> torch.Tensor:
+        t = self.tensor.detach()
+        return t.requires_grad_() if self.requires_grad else t
 
 
-class _StopReplay(Exception):
-    pass
+@dataclass(frozen=True)
+class _Arg:
+    """A layer-call argument held through its saved entry."""
+
+    entry: _Entry
+    meta: tuple
+    requires_grad: bool
 
 
-class _Replay(TorchDispatchMode):
-    """Replays one layer's forward: only the plan's producer ops run (see module docstring)."""
-
-    def __init__(self, ex: Executor, region: str):
-        super().__init__()
-        self.ex, self.region = ex, region
-        self.rerun = ex._rerun[region]
-        self.last = max(self.rerun)
-        self.local = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.is_view or func.overloadpacket.__name__ in _FREE_OPS:
-            return func(*args, **kwargs)
-        k = self.local
-        self.local += 1
-        ex, region = self.ex, self.region
-        name = func.overloadpacket.__name__.strip("_")
-        key = f"{region}:{k}:{name}"
-        if k in self.rerun:
-            rng = ex._rng_before.get((region, k))
-            if rng is not None:
-                torch.set_rng_state(rng)
-            start = ex._timeline.now() if ex._timeline else 0.0
-            out = func(*args, **kwargs)
-            if ex._timeline is not None:
-                ex._timeline.span("compute", "recompute", key, start, ex._timeline.now())
-            ex._step.ops_recomputed += 1
-            ex._step.recomputed_ops.append(key)
-            for n, t in enumerate(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)):
-                entry = ex._entries.get(key + (f".{n}" if n else ""))
-                if entry is not None and entry.decision is Decision.RECOMPUTE and entry.storage is None:
-                    entry.storage = _bytes_view(t)
-                    ex._arrive(entry)
-                    ex._step.recomputed_bytes += entry.nbytes
-            if k == self.last:
-                raise _StopReplay
-            return out
-        # Not re-run: hand back its saved output if it has one, else an unread placeholder.
-        metas = ex._out_meta.get((region, k), [])
-        outs = []
-        for n, meta in enumerate(metas):
-            entry = ex._entries.get(key + (f".{n}" if n else ""))
-            if entry is not None and entry.key in ex._replay_deps:  # read by a re-run op: real
-                outs.append(ex._unpack(_Holder(entry, None, meta)) if entry.storage is None
-                            else _rebuild(entry.storage, meta))
-            else:
-                dtype, shape, stride, _, device, _ = meta
-                outs.append(torch.empty_strided(shape, stride, dtype=dtype, device=device))
-        # Kernels choose their path by requires_grad (SDPA does): give substitutes the original's.
-        for t, meta in zip(outs, metas):
-            if meta[5] and t.is_leaf and t.is_floating_point():
-                t.requires_grad_(True)
-        if func.overloadpacket.__name__.endswith("_") and args and isinstance(args[0], torch.Tensor):
-            return args[0]  # an in-place op that is not re-run: its target, as it would return
-        if len(outs) == 1:
-            return outs[0]
-        return tuple(outs)
+def _bytes_of(st) -> torch.Tensor:
+    """A flat uint8 tensor over a whole storage."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (st.nbytes(),), (1,))
 
 
-def apply(model: nn.Module, plan: Plan, profile: StepProfile, **kw) -> Executor:
+def _modified(key: str, saved: int, now: int):
+    raise RuntimeError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                       f"operation: saved tensor {key!r} is at version {now}; expected version {saved} instead "
+                       f"(slackswap detected it; without SlackSwap autograd raises this error too)")
+
+
+# ---- public entry points ---------------------------------------------------------------------------
+def apply(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule: Schedule | None = None, **kw) -> Executor:
     """Context manager: every step run inside follows `plan`, made for `profile` of this model.
-    ``with apply(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters."""
+    ``with apply(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
+
+    Keywords: `pool` (HostPool), `record` (measured timelines), `verify` (check recomputes on the
+    first step, default True), `replan` (how to re-plan after a demotion; default `replan_without`)."""
     if plan.profile_digest != profile.digest:
         raise PlanError(f"plan {plan.digest[:12]} was made for profile {plan.profile_digest[:12]}, not for "
                         f"{profile.name!r} ({profile.digest[:12]}); plan again for this profile")
     plan.check(profile)
-    return Executor(model, plan, profile, **kw)
+    if schedule is None:
+        schedule = lower(profile, plan)
+    elif schedule.plan != plan:
+        raise PlanError("the schedule passed to apply() executes another plan")
+    return Executor(model, schedule, profile, **kw)
+
+
+def replan_without(profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
+    """The default re-plan after a demotion: the profile with the failed activations made
+    unrecomputable, planned again by the plan's planner on its hardware (a preset recognised by
+    its digest) within the same budget; for a planner or hardware it does not know, the failed
+    keys are swapped instead (logged)."""
+    from ..hardware import preset_by_digest
+    from ..planners import PLANNERS, PRIVATE
+
+    pinned = profile.without_recompute(failures)
+    hw = preset_by_digest(plan.hardware_digest)
+    planner = PLANNERS.get(plan.planner)
+    if hw is not None and planner is not None:
+        try:
+            return pinned, planner(pinned, hw, plan.budget_bytes, PRIVATE)
+        except Exception as e:  # noqa: BLE001 - fall back to demoting by hand, logged
+            log.warning("slackswap: re-planning with %s failed (%s); swapping the demoted tensors instead",
+                        plan.planner, e)
+    decisions = dict(plan.decision)
+    for key in failures:
+        decisions[key] = Decision.SWAP
+    return pinned, Plan.build(pinned, decisions, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
+                              planner=plan.planner, planner_version=plan.planner_version, blocking=plan.blocking)

@@ -1,10 +1,19 @@
-"""Measure a `StepProfile` from one real training step (see tracing.py for how ops are named).
+"""Measure a `StepProfile` from one real training step, within the memory budget.
 
-Each activation is one saved storage: its bytes are the storage's, its users the ops that saved
-it, its region the region of its first saver. Its producers are the ops that would regenerate it
-inside that region: the op that wrote it plus, transitively, the in-region ops behind any input
-that is not itself saved; the saved tensors those ops read are its deps. A storage made outside
-its region (the region's input hidden state, say) has no producers: it can only be kept or swapped.
+The profiled step runs under an `Executor` without a plan, which sends every saved tensor to the
+host pool as it is saved (blocking, so the device never holds more than the tensor being copied)
+and brings it back when backward needs it; a `StepTracer` beside it names and times the ops. So
+the step that measures the model needs no more device memory for activations than a plan will
+allow: it runs where keep-all does not fit, which is the case SlackSwap exists for. Checkpoint
+calls inside the model run inline (takeover.py), so the profile sees the real keep-all footprint.
+
+Each activation is one saved storage. Its bytes are the storage's; its users the ops whose
+backward read it; its region the region it was first saved in. Its producers are the ops a
+replay of its layer call runs to make it again (replay.py): from the call's first op up to the
+op that finally writes it, every op whose outputs the step did not save in that call (or that
+writes in place), plus its own writers; the saved tensors those ops read, or that skipped ops
+before it hand back, or that the call takes as arguments, are its deps. A storage made outside
+its layer call, or saved in a gap between calls, has no producers: it can be kept or swapped.
 """
 
 from __future__ import annotations
@@ -16,7 +25,9 @@ import torch
 from torch import nn
 
 from ..profile import Activation, Op, StepProfile
-from .tracing import StepTracer, TracedStorage
+from .executor import Executor, StepStats
+from .naming import is_gap
+from .tracing import StepTracer, TracedSave
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -31,80 +42,171 @@ def _sync_timer(device: torch.device) -> Callable[[], float]:
     return time.perf_counter
 
 
-def profile_step(model: nn.Module, step_fn: StepFn, batch: Any, *, name: str | None = None,
-                 warmup: int = 1) -> StepProfile:
-    """Run `step_fn(model, batch)` (forward + backward) `warmup` times untraced, then once traced,
-    and return the measured profile. Gradients the steps accumulate are left to the caller."""
+class ProfileSession:
+    """``with ProfileSession(model) as session: step_fn(model, batch)``; then ``session.profile()``.
+
+    `timer`: the op clock (default: perf_counter, synchronized on CUDA); `pool`: the host pool the
+    saved tensors go to (default: an unbounded one)."""
+
+    def __init__(self, model: nn.Module, *, timer: Callable[[], float] | None = None, pool=None):
+        self.model = model
+        self.executor = Executor(model, None, None, pool=pool)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.tracer = StepTracer(lambda: self.executor.regions.label, timer or _sync_timer(device))
+        self.executor.observer = self.tracer
+
+    def __enter__(self) -> "ProfileSession":
+        self.executor.__enter__()
+        try:
+            self.tracer.__enter__()
+        except BaseException:
+            self.executor.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.tracer.__exit__(*exc)
+        finally:
+            self.executor.__exit__(*exc)
+        return False
+
+    @property
+    def stats(self) -> StepStats:
+        """The profiled step's counters (its peak of device-resident saved bytes, say)."""
+        return self.executor.stats.last_step
+
+    def profile(self, name: str | None = None) -> StepProfile:
+        return build_profile(self.tracer, name or type(self.model).__name__, self.executor.call_arguments,
+                             self.stats.peak_device_bytes)
+
+
+def profile_step(model: nn.Module, step_fn: StepFn, batch: Any, *, name: str | None = None, warmup: int = 1,
+                 timer: Callable[[], float] | None = None, pool=None) -> StepProfile:
+    """Run `step_fn(model, batch)` (forward + backward) `warmup` times, then once traced, every
+    time with every saved tensor sent to host (see the module docstring), and return the
+    measured profile. Gradients the steps accumulate are left to the caller."""
     for _ in range(warmup):
+        with ProfileSession(model, timer=timer, pool=pool).executor:
+            step_fn(model, batch)
+    with ProfileSession(model, timer=timer, pool=pool) as session:
         step_fn(model, batch)
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    tracer = StepTracer(model, timer=_sync_timer(device))
-    with tracer:
-        step_fn(model, batch)
-    return build_profile(tracer, name or type(model).__name__)
+    return session.profile(name)
 
 
-def build_profile(tracer: StepTracer, name: str) -> StepProfile:
+# ---- building the profile ------------------------------------------------------------------------
+def build_profile(tracer: StepTracer, name: str, arguments: dict[str, list[str]] | None = None,
+                  peak_bytes: int | None = None) -> StepProfile:
+    """The StepProfile of a traced step; `arguments`: per layer call, the keys of the saved
+    tensors it took as arguments (a replay needs them back)."""
     ops = tracer.ops
-    saved = [st for st in tracer.storages.values() if st.saved_by]
-    region_of = {st.sid: ops[min(st.saved_by)].region for st in saved}
-    keys = _activation_keys(tracer, saved, region_of)
-    activations = []
-    for st in sorted(saved, key=lambda st: (min(st.saved_by), st.sid)):
-        producers, deps = _regeneration(tracer, st, region_of, keys)
-        activations.append(Activation(keys[st.sid], st.nbytes, tuple(sorted(st.saved_by)), producers, deps))
     profile_ops = tuple(Op(o.key, o.fwd_s, o.bwd_s, o.region) for o in ops)
-    meta = {"source": "measured", "layers": str(len(tracer.layers))}
+    saves = tracer.saves
+    users = {s.key: _users(tracer, s) for s in saves}
+    regen = _Regeneration(tracer, users, arguments or {})
+    activations = []
+    for s in saves:
+        producers, deps = regen.of(s)
+        activations.append(Activation(s.key, tracer.storages[s.sid].nbytes, tuple(sorted(users[s.key])),
+                                      producers, deps))
+    meta = {"source": "measured", "layers": str(len({o.region for o in ops if not is_gap(o.region)}))}
+    if peak_bytes is not None:
+        meta["profiled_peak_bytes"] = str(peak_bytes)
     return StepProfile(name, profile_ops, tuple(activations), tuple(meta.items()))
 
 
-def _activation_keys(tracer: StepTracer, saved: list[TracedStorage], region_of: dict[int, str]) -> dict[int, str]:
-    """``<region>:<op index>:<op>`` of the writer for storages made in their region (``.<n>`` for
-    an op's n-th output beyond the first), ``<region>:input.<n>`` for the others, numbered in the
-    order they are first saved (the executor names them the same way as it packs them)."""
-    keys: dict[int, str] = {}
-    inputs: dict[str, int] = {}
-    for st in sorted(saved, key=lambda st: tracer._pack_order.get(st.sid, st.sid)):
-        region = region_of[st.sid]
-        writer = tracer.ops[st.producer] if st.producer is not None else None
-        if writer is not None and writer.region == region:
-            n = writer.writes.index(st.sid)
-            keys[st.sid] = writer.key + (f".{n}" if n else "")
-        else:
-            n = inputs.get(region, 0)
-            inputs[region] = n + 1
-            keys[st.sid] = f"{region}:input.{n}"
-    return keys
+def _users(tracer: StepTracer, save: TracedSave) -> set[int]:
+    """The ops whose backward read it. The first of them must be an op of the region it was saved
+    in (that is where the profile places it); if backward never read it there, the op that saved
+    it stands in: the op that made it when it was saved right after that op ran, else the next
+    op (inputs are saved just before their op runs)."""
+    ops = tracer.ops
+    users = set(save.users)
+    if users and ops[min(users)].region == save.region:
+        return users
+    before, last = save.ops_before, save.ops_before - 1
+    if last >= 0 and ops[last].region == save.region and save.sid in ops[last].writes:
+        saver = last
+    elif before < len(ops) and ops[before].region == save.region:
+        saver = before
+    elif last >= 0 and ops[last].region == save.region:
+        saver = last
+    else:  # a region with no op of its own (only views and a custom Function): the nearest op
+        saver = min(max(last, 0), len(ops) - 1)
+    return {u for u in users if u > saver} | {saver}
 
 
-def _regeneration(tracer: StepTracer, st: TracedStorage, region_of: dict[int, str],
-                  keys: dict[int, str]) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    region = region_of[st.sid]
-    ops, storages = tracer.ops, tracer.storages
+class _Regeneration:
+    """Producers and deps of each saved storage (see the module docstring)."""
 
-    def in_region(writers: list[int]) -> bool:
-        return bool(writers) and all(ops[w].region == region for w in writers)
+    def __init__(self, tracer: StepTracer, users: dict[str, set[int]], arguments: dict[str, list[str]]):
+        self.tracer, self.users, self.arguments = tracer, users, arguments
+        ops = tracer.ops
+        self.saved_in: dict[str, dict[int, TracedSave]] = {}  # region -> sid -> its save there
+        self.by_key = {s.key: s for s in tracer.saves}
+        for s in tracer.saves:
+            self.saved_in.setdefault(s.region, {})[s.sid] = s
+        self.first_save: dict[int, TracedSave] = {}
+        for s in tracer.saves:
+            self.first_save.setdefault(s.sid, s)
+        self.region_ops: dict[str, list[int]] = {}
+        for o in ops:
+            self.region_ops.setdefault(o.region, []).append(o.index)
+        self._runs: dict[str, dict[int, bool]] = {}
 
-    if st.producer is None or not in_region(st.writers) or max(st.writers) > min(st.saved_by):
-        return (), ()
-    if region not in tracer.layer_paths:
-        return (), ()  # only layers can be re-run: outside them a tensor is kept or swapped
-    producers: set[int] = set()
-    deps: set[str] = set()
-    todo = list(st.writers)
-    while todo:
-        i = todo.pop()
-        if i in producers:
-            continue
-        producers.add(i)
-        for sid in ops[i].reads:
-            src = storages[sid]
-            if sid == st.sid:
-                continue  # an in-place writer reads what it rewrites
-            if src.saved_by and region_of.get(sid) == region:
-                deps.add(keys[sid])
-            elif src.producer is not None and in_region(src.writers):
-                todo.extend(src.writers)
-            # else: made outside the region and not saved in it (masks, rotary tables): the
-            # executor holds such inputs as a checkpoint holds its arguments
-    return tuple(sorted(producers)), tuple(sorted(deps))
+    def final_writer(self, save: TracedSave) -> int | None:
+        writers = [w for w in self.tracer.storages[save.sid].writers if w < save.ops_before]
+        return writers[-1] if writers else None
+
+    def runs(self, region: str) -> dict[int, bool]:
+        """Op -> whether a replay of the region runs it when every saved tensor is at hand."""
+        out = self._runs.get(region)
+        if out is None:
+            ops, saved = self.tracer.ops, self.saved_in.get(region, {})
+            out = {}
+            for k in self.region_ops.get(region, ()):
+                op = ops[k]
+                out[k] = op.inplace or any(sid not in saved or self.final_writer(saved[sid]) != k for sid in op.writes)
+            self._runs[region] = out
+        return out
+
+    def of(self, save: TracedSave) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        tracer, region = self.tracer, save.region
+        st = tracer.storages[save.sid]
+        if is_gap(region) or st.producer is None:
+            return (), ()
+        ops = tracer.ops
+        writers = [w for w in st.writers if w < save.ops_before]
+        if not writers or any(ops[w].region != region for w in writers):
+            return (), ()  # made (or last written) outside its layer call
+        last = writers[-1]
+        if any(ops[u].region != region for u in self.users[save.key]):
+            return (), ()  # read in another region's backward, before this region's replay would run
+        saved = self.saved_in[region]
+        start = self.region_ops[region][0]
+        runs = self.runs(region)
+        producers = {k for k in self.region_ops[region] if k <= last and runs[k]} | set(writers)
+
+        def dep(sid: int) -> TracedSave | None:
+            """The save a replay takes `sid` from: this region's, or an earlier region's (alive
+            then: backward reaches earlier regions later)."""
+            own = saved.get(sid)
+            if own is not None:
+                return own
+            first = self.first_save.get(sid)
+            return first if first is not None and first.ops_before <= start else None
+
+        deps: set[str] = set()
+        for k in self.region_ops[region]:
+            if k > last:
+                break
+            touched = ops[k].reads if k in producers else ops[k].writes  # read by a re-run op / handed back
+            for sid in touched:
+                other = dep(sid)
+                if other is not None and other.sid != save.sid:
+                    deps.add(other.key)
+        for key in self.arguments.get(region, ()):  # the replay calls the layer with them
+            other = dep(self.by_key[key].sid)
+            if other is not None and other.sid != save.sid:
+                deps.add(other.key)
+        return tuple(sorted(producers)), tuple(sorted(deps))

@@ -245,27 +245,44 @@ def test_scripted_d2h_source_released_when_event_completes(scripted):
     assert not h.host_waited and dev.stats().host_waits == 0
 
 
-def test_scripted_h2d_protocol_allocates_on_the_side_stream(scripted):
+def test_scripted_h2d_protocol_allocates_on_compute_and_orders_after_it(scripted):
     dev, acc = scripted
     host = torch.arange(4, dtype=torch.int64)
     h = dev.copy_in(host)
-    assert acc.log == [("enter", "h2d"), ("record", "h2d"), ("exit", "h2d")]   # no wait on compute
+    # rule 5: allocated on the compute stream (outside the side stream), the copy after compute
+    assert acc.log == [("wait_stream", "h2d", "compute"), ("enter", "h2d"), ("record", "h2d"), ("exit", "h2d")]
     assert torch.equal(h.tensor, host) and h.tensor.data_ptr() != host.data_ptr()
     assert h._keep == (host,)                                  # rule 8: the pinned source is still read
     acc.log.clear()
     t = h.wait_on_current()
-    assert acc.log == [("wait_event", "compute", "h2d"), ("record_stream", (4,), "compute")]
+    assert acc.log == [("wait_event", "compute", "h2d")]       # rule 7; no record_stream needed
     assert h._keep == (host,)                                  # the host buffer waits for done()
     acc.events[-1].complete = True
     assert h.done() and h._keep == () and t is h.tensor
 
 
-def test_scripted_h2d_wait_records_the_consumer_too(scripted):
+def test_scripted_h2d_after_a_copy_out_waits_on_its_event_not_the_host(scripted):
+    dev, acc = scripted
+    out = dev.copy_out(torch.ones(3), torch.empty(3))
+    acc.log.clear()
+    h = dev.copy_in(torch.ones(3), after=out)                  # rule 6: the copy-out has not ended
+    assert acc.log[:2] == [("wait_stream", "h2d", "compute"), ("wait_event", "h2d", "d2h")]
+    assert dev.stats().host_waits == 0 and not out.host_waited
+    acc.events[0].complete = True
+    acc.log.clear()
+    dev.copy_in(torch.ones(3), after=out)                      # ended: nothing to wait for
+    assert ("wait_event", "h2d", "d2h") not in acc.log
+    h.wait()
+    assert acc.log == [("wait_stream", "h2d", "compute"), ("enter", "h2d"), ("record", "h2d"), ("exit", "h2d"),
+                       ("synchronize_event", "h2d")]
+
+
+def test_scripted_h2d_wait_blocks_the_host_once(scripted):
     dev, acc = scripted
     h = dev.copy_in(torch.ones(2))
     acc.log.clear()
     h.wait()
-    assert acc.log == [("synchronize_event", "h2d"), ("record_stream", (2,), "compute")]
+    assert acc.log == [("synchronize_event", "h2d")] and dev.stats().host_waits == 1
 
 
 def test_scripted_h2d_into_given_destination_waits_for_compute(scripted):
@@ -275,10 +292,7 @@ def test_scripted_h2d_into_given_destination_waits_for_compute(scripted):
     assert acc.log[0] == ("wait_stream", "h2d", "compute") and h.tensor is dst
     acc.log.clear()
     h.wait_on_current()
-    assert acc.log == [("wait_event", "compute", "h2d")]       # caller's tensor: no record_stream
-    acc.log.clear()
-    dev.copy_in(torch.ones(3), order_after_current=True)
-    assert acc.log[0] == ("wait_stream", "h2d", "compute")
+    assert acc.log == [("wait_event", "compute", "h2d")]
 
 
 def test_scripted_release_after_handle_defers_until_done(scripted):
@@ -369,15 +383,33 @@ def test_cuda_d2h_overlaps_compute(gpu):
 
 
 @cuda
-def test_cuda_h2d_overlaps_compute(gpu):
+def test_cuda_h2d_overlaps_compute_queued_after_it(gpu):
+    """A prefetch runs while compute issued after it is busy (rule 5 orders it only after the
+    compute queued before it)."""
     host = torch.randn(16 * MiB).pin_memory()
     torch.cuda.synchronize()
+    h = gpu.copy_in(host)
     torch.cuda._sleep(SLEEP)
-    h = gpu.copy_in(host)                                      # allocated and copied on the H2D stream
     h.wait()
     assert not torch.cuda.current_stream().query()
     torch.cuda.synchronize()
     assert torch.equal(h.tensor.cpu(), host)
+
+
+@cuda
+def test_cuda_h2d_after_copy_out_needs_no_host_wait(gpu):
+    """Rule 6: a prefetch issued while its copy-out is still queued waits on the device."""
+    x = torch.full((MiB,), 3.0, device=gpu.torch_device)
+    host = torch.empty(MiB, pin_memory=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(gpu.d2h_stream):
+        torch.cuda._sleep(SLEEP)                               # delay the D2H stream
+    out = gpu.copy_out(x, host)
+    back = gpu.copy_in(host, after=out)
+    y = back.wait_on_current() + 1.0
+    assert gpu.stats().host_waits == 0 and not out.done()
+    torch.cuda.synchronize()
+    assert bool((y == 4.0).all())
 
 
 @cuda
@@ -415,19 +447,18 @@ def test_cuda_wait_on_current_orders_compute_after_h2d_without_host_sync(gpu):
 
 
 @cuda
-def test_cuda_prefetched_tensor_is_record_streamed_on_compute(gpu):
-    """Rule 5: a tensor allocated on the H2D stream and still read by queued compute work keeps its
-    block after the host frees it; the next prefetch (same stream's pool) must get other memory."""
+def test_cuda_prefetched_block_goes_back_to_the_compute_pool(gpu):
+    """Rule 5: a prefetched tensor is allocated on the compute stream, so once freed its block is
+    reused by compute (reserved memory does not grow with every prefetch)."""
     host = torch.full((4 * MiB,), 2.0).pin_memory()
     torch.cuda.synchronize()
-    h = gpu.copy_in(host)
-    t = h.wait_on_current()
-    torch.cuda._sleep(SLEEP)
-    total = t.sum()                                            # reads t after the sleep
+    t = gpu.copy_in(host).wait_on_current()
+    total = t.sum()
     ptr = t.data_ptr()
-    del t, h
-    h2 = gpu.copy_in(torch.zeros(4 * MiB).pin_memory())
-    assert h2.tensor.data_ptr() != ptr
+    del t
+    reserved = torch.cuda.memory_reserved()
+    again = torch.empty(4 * MiB, device=gpu.torch_device)      # a compute-stream allocation
+    assert again.data_ptr() == ptr and torch.cuda.memory_reserved() == reserved
     torch.cuda.synchronize()
     assert total.item() == 8.0 * MiB
 

@@ -1,0 +1,70 @@
+"""What the runtime tests share: one step from a fixed RNG state, bit-exact comparison, profiles
+whose op times come from a fake clock (so the plans a test gets never depend on how fast this
+machine ran an op), and seeded random plans."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+import slackswap_ds as ss
+from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.profile import StepProfile
+
+Result = tuple[torch.Tensor, dict[str, torch.Tensor]]
+
+
+def run(model: nn.Module, step_fn: Callable, batch: Any, ctx=None, seed: int = 1) -> Result:
+    """One step (forward + backward) from RNG state `seed`, under `ctx` if given: the loss and
+    every parameter's gradient."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if ctx is None:
+        loss = step_fn(model, batch)
+    else:
+        with ctx:
+            loss = step_fn(model, batch)
+    return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_exact(got: Result, want: Result) -> None:
+    (loss_a, grads_a), (loss_b, grads_b) = got, want
+    assert torch.equal(loss_a, loss_b), (loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    differ = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
+    assert not differ, f"gradients differ: {differ[:5]}"
+
+
+def fake_clock(step: float = 1e-6) -> Callable[[], float]:
+    """Every op takes `step` seconds: plans made from such a profile are the same on every run."""
+    ticks = itertools.count()
+    return lambda: next(ticks) * step
+
+
+def profile(model: nn.Module, step_fn: Callable, batch: Any, seed: int = 1, **kw) -> StepProfile:
+    """A profile of one step from RNG state `seed` (the state `run` uses, so that data-dependent
+    shapes, e.g. mixture-of-experts routing after dropout, match the runs)."""
+    torch.manual_seed(seed)
+    return ss.profile_step(model, step_fn, batch, warmup=0, timer=fake_clock(), **kw)
+
+
+def random_plan(profile: StepProfile, seed: int, budget_bytes: int | None = None) -> Plan:
+    rng = random.Random(seed)
+    decisions = {a.key: rng.choice([Decision.KEEP, Decision.SWAP] + [Decision.RECOMPUTE] * a.recomputable)
+                 for a in profile.activations}
+    return Plan.build(profile, decisions, budget_bytes=profile.total_bytes if budget_bytes is None else budget_bytes,
+                      hardware_digest="any", planner="random")
+
+
+def without_caches(model: nn.Module) -> nn.Module:
+    """use_cache off in every config of the model (SlackSwap does that while it runs: a reference
+    run must do the same to be comparable bit for bit; see test_takeover for caches left on)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None):
+            config.use_cache = False
+    return model

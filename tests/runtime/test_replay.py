@@ -1,0 +1,264 @@
+"""Replays: exact on the hard cases (random ops skipped before random ops, every generator in use,
+state a layer writes into, ops returning None and ints), and the safety net: the first step under a
+plan verifies every recomputed tensor, and a layer that does not replay exactly is demoted and
+logged while the step's gradients stay exact."""
+
+import logging
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import slackswap_ds as ss
+from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.runtime.replay import ReplayError
+
+from exactness import assert_exact, profile, random_plan, run
+
+
+def loss_step(model, x):
+    loss = model(x)
+    loss.backward()
+    return loss
+
+
+class Stack(nn.Module):
+    """Layers in a ModuleList (the regions), a sum as the loss."""
+
+    def __init__(self, make, n=3, width=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([make(width) for _ in range(n)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+def recompute_all(prof, **kw) -> Plan:
+    return Plan.build(prof, {a.key: Decision.RECOMPUTE if a.recomputable else Decision.KEEP for a in prof.activations},
+                      budget_bytes=prof.total_bytes, hardware_digest="any", planner="test", **kw)
+
+
+# ---- random ops ---------------------------------------------------------------------------------
+class TwoGenerators(nn.Module):
+    """Dropout from the default generator, then a mask from the layer's own generator: a replay that
+    skips the first (its output kept) must still draw the second mask exactly."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        h = nn.functional.dropout(self.a(x).tanh(), 0.3, self.training)
+        mask = torch.bernoulli(torch.full_like(h, 0.7), generator=self.gen)
+        return self.b(h * mask).sigmoid()
+
+
+def test_random_ops_replay_with_the_state_each_generator_had_in_forward():
+    model = Stack(TwoGenerators)
+    x = torch.randn(4, 16)
+    states = {}
+
+    def rng_after(tag):
+        states[tag] = (torch.get_rng_state(), [layer.gen.get_state() for layer in model.layers])
+
+    def reset():
+        for i, layer in enumerate(model.layers):
+            layer.gen.manual_seed(5 + i)
+
+    reset()
+    reference = run(model, loss_step, x)
+    rng_after("reference")
+    reset()
+    prof = profile(model, loss_step, x)
+    for seed in range(12):
+        reset()
+        got = run(model, loss_step, x, ss.apply(model, random_plan(prof, seed), prof, verify=False))
+        assert_exact(got, reference)
+        rng_after("plan")  # the replays put every generator back: the next step draws as without them
+        assert torch.equal(states["plan"][0], states["reference"][0])
+        assert all(torch.equal(a, b) for a, b in zip(states["plan"][1], states["reference"][1]))
+
+
+# ---- state a layer writes into --------------------------------------------------------------------
+class Normed(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(width, width), nn.BatchNorm1d(width)
+
+    def forward(self, x):
+        return self.norm(self.lin(x)).relu()
+
+
+def test_a_replay_never_writes_running_statistics_twice():
+    model = Stack(Normed)
+    x = torch.randn(8, 16)
+    prof = profile(model, loss_step, x)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    reference = run(model, loss_step, x)
+    after_reference = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(state)
+    ex = ss.apply(model, recompute_all(prof), prof)
+    assert_exact(run(model, loss_step, x, ex), reference)
+    assert ex.stats.last_step.ops_recomputed > 0 and ex.stats.last_step.verified is True
+    for k, v in model.state_dict().items():  # running_mean, running_var, num_batches_tracked: once
+        assert torch.equal(v, after_reference[k]), k
+
+
+# ---- outputs that are not tensors ------------------------------------------------------------------
+_lib = torch.library.Library("slackswap_test", "DEF")
+_lib.define("ninefold(Tensor x, float p) -> (Tensor, Tensor, Tensor?, int, int, Tensor, SymInt, Tensor, Tensor)")
+
+
+def _ninefold(x, p):
+    """Shaped like CUDA flash attention's result: output, logsumexp, None, ints, seed tensors."""
+    return x.sin() * p, x.exp().sum(-1), None, 3, 4, torch.tensor(7), 5, torch.tensor(11), torch.empty(0)
+
+
+_lib.impl("ninefold", _ninefold, "CPU")
+
+
+def _ninefold_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.p = inputs[1]
+
+
+def _ninefold_backward(ctx, g_out, *rest):
+    (x,) = ctx.saved_tensors
+    return g_out * x.cos() * ctx.p, None
+
+
+torch.library.register_autograd("slackswap_test::ninefold", _ninefold_backward, setup_context=_ninefold_setup)
+
+
+class Ninefold(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        out, lse, nothing, three, four, seven, five, eleven, empty = torch.ops.slackswap_test.ninefold(self.a(x), 2.0)
+        assert nothing is None and (three, four, five) == (3, 4, 5) and int(seven) == 7 and int(eleven) == 11
+        return self.b(out * lse.unsqueeze(-1).tanh() + three).tanh()
+
+
+def test_ops_returning_none_and_ints_replay_with_their_whole_result():
+    model = Stack(Ninefold)
+    x = torch.randn(4, 16)
+    reference = run(model, loss_step, x)
+    prof = profile(model, loss_step, x)
+    plans = [recompute_all(prof)] + [random_plan(prof, seed) for seed in range(8)]
+    for plan in plans:
+        ex = ss.apply(model, plan, prof)
+        assert_exact(run(model, loss_step, x, ex), reference)
+        assert_exact(run(model, loss_step, x, ex), reference)
+    assert any(k.endswith("ninefold") for k in ex.stats.last_step.recomputed_ops) or \
+        ex.stats.last_step.ops_recomputed > 0
+
+
+# ---- the safety net --------------------------------------------------------------------------------
+class PythonNoise(nn.Module):
+    """Draws from Python's `random`, which no replay can restore: not replayable."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.rng = random.Random(0)
+
+    def forward(self, x):
+        return self.b(self.a(x).tanh() * (1 + self.rng.random())).tanh()
+
+
+class Counting(nn.Module):
+    """Mutates Python state in forward and lets it change its output: not replayable."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.b(self.a(x).tanh() * self.calls).tanh()
+
+
+class Once(nn.Module):
+    """Refuses a second call per step: its replay fails."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.armed = True
+
+    def forward(self, x):
+        if not self.armed:
+            raise RuntimeError("called twice")
+        self.armed = False
+        return self.b(self.a(x).tanh()).tanh()
+
+
+def _reset(model):
+    for layer in model.layers:
+        if isinstance(layer, PythonNoise):
+            layer.rng.seed(0)
+        elif isinstance(layer, Counting):
+            layer.calls = 0
+        elif isinstance(layer, Once):
+            layer.armed = True
+
+
+@pytest.mark.parametrize("kind, reason", [(PythonNoise, "values differ"), (Counting, "values differ"),
+                                          (Once, "replay failed: RuntimeError: called twice")])
+def test_a_layer_that_does_not_replay_is_demoted_logged_and_the_step_stays_exact(kind, reason, caplog):
+    model = Stack(kind)
+    x = torch.randn(4, 16)
+    _reset(model)
+    reference = run(model, loss_step, x)
+    _reset(model)
+    prof = profile(model, loss_step, x)
+    plan = recompute_all(prof)
+    recomputed = plan.keys(Decision.RECOMPUTE)
+    assert recomputed
+    ex = ss.apply(model, plan, prof)
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        _reset(model)
+        assert_exact(run(model, loss_step, x, ex), reference)  # the verifying step: originals used
+    first = ex.stats.last_step
+    assert first.verified is False and set(first.demoted) <= set(recomputed) and first.demoted
+    assert all(why.startswith(reason) for why in first.demoted.values())
+    lines = [r.getMessage() for r in caplog.records if "did not replay exactly" in r.getMessage()]
+    assert len(lines) == 1 and reason.split(":")[0] in lines[0]
+    # re-planned: the demoted tensors are never recomputed again, the next steps are exact
+    assert ex.plan.digest != plan.digest and not set(first.demoted) & set(ex.plan.keys(Decision.RECOMPUTE))
+    assert ex.stats.demotions == [first.demoted]
+    for _ in range(2):
+        _reset(model)
+        assert_exact(run(model, loss_step, x, ex), reference)
+        assert ex.stats.last_step.fallbacks == {}
+
+
+def test_without_verification_a_replay_that_cannot_match_is_an_error_not_a_wrong_gradient():
+    class Growing(nn.Module):  # a replay sees another shape than forward did
+        def __init__(self, width):
+            super().__init__()
+            self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            h = self.a(x).tanh()
+            h = torch.cat([h] * (1 + self.calls % 2), 0)[: x.shape[0] * (1 + self.calls % 2)]
+            return self.b(h[: x.shape[0]] * 2).tanh()
+
+    model = Stack(Growing)
+    x = torch.randn(4, 16)
+    prof = profile(model, loss_step, x)
+    ex = ss.apply(model, recompute_all(prof), prof, verify=False)
+    for layer in model.layers:
+        layer.calls = 0
+    with pytest.raises(ReplayError, match="diverged from forward|made nothing|forward made"):
+        run(model, loss_step, x, ex)
