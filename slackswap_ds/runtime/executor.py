@@ -54,7 +54,6 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import PlanError
 from ..plan import Decision, Kind, Plan, Schedule, lower
@@ -200,6 +199,17 @@ class _Step:
         self.position = 0  # smallest first-read op backward has reached
         self.triggers: list = []  # pending (op, keys), descending
         self.failures: dict[str, str] = {}  # verification: key -> reason
+        self.live = 0  # entries not yet released
+        self.closed = False
+
+    def clear(self) -> None:
+        """Drop every record of a closed step whose entries are all released: no reference cycle
+        (entries <-> step <-> layer calls) is left for the garbage collector to find."""
+        self.by_storage.clear()
+        self.by_key.clear()
+        self.calls.clear()
+        self.writers.clear()
+        self.triggers = []
 
 
 def _is_parameter(t: torch.Tensor) -> bool:
@@ -358,6 +368,9 @@ class Executor:
             return
         self._step = None
         self._drain()
+        step.closed = True
+        if step.live == 0:
+            step.clear()
         if self.observer is not None and self._program is None:
             self.observer.step_closed()  # profiling: one step is the profile (accumulation runs several)
         stats = step.stats
@@ -416,13 +429,13 @@ class Executor:
                 step = self._forward_step()
                 label = self.regions.enter(path)
                 if self.observer is not None:
-                    self._call_args = [t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0]
+                    self._call_args = [t.untyped_storage()._cdata for t in _flatten_call((args, kwargs))[0]
                                        if isinstance(t, torch.Tensor)]
                 program = self._program
                 if program is None or label not in program.rerun:
                     return
                 call = CallRecord(label, module, autocast=autocast_state(self._device_type))
-                flat, spec = tree_flatten((args, kwargs))
+                flat, spec = _flatten_call((args, kwargs))
                 with _internal():  # held without autograd history: no cycle through the graph
                     flat = [_Detached(t) if isinstance(t, torch.Tensor) else t for t in flat]
                 call.args = (flat, spec)
@@ -539,6 +552,7 @@ class Executor:
         # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
         ref = StorageWeakRef(st) if decision is not Decision.KEEP else None
         entry = _Entry(key, decision, nbytes, planned.first_read if planned else None, ref, step)
+        step.live += 1
         if decision is Decision.SWAP:
             step.by_key[key] = entry
         if mine:
@@ -731,7 +745,7 @@ class Executor:
                     flat.append(a.get())
                 else:
                     flat.append(a)
-        return tree_unflatten(flat, spec)
+        return _unflatten_call(flat, spec)
 
     def ran(self, call: CallRecord, k: int) -> None:
         """A replay ran op k of `call` for real (counted; the Schedule says which it should)."""
@@ -801,12 +815,16 @@ class Executor:
                 self.pool.release(entry.original)
                 entry.original = None
         entry.in_handle = None
-        call = entry.call
+        call, entry.call = entry.call, None
         if call is not None and not call.done:  # a replay nobody needs any more: unpin its arguments
             call.live -= 1
             if call.live <= 0:
                 call.done = True
                 self._unpin(call)
+        step = entry.step
+        step.live -= 1
+        if step.live == 0 and step.closed:
+            step.clear()
 
     def _poll_copies(self) -> None:
         """Swaps whose copy-out has ended leave the device. Copies on one stream end in order, so
@@ -853,6 +871,36 @@ class _Arg:
     entry: _Entry
     meta: tuple
     requires_grad: bool
+
+
+def _flatten_call(obj) -> tuple[list, object]:
+    """(leaves, spec) of a layer call's (args, kwargs): tuples, lists and dicts are opened, anything
+    else (a tensor, a cache object, a flag) is a leaf. (torch's general pytree leaves a reference
+    cycle behind on every call.)"""
+    leaves: list = []
+    return leaves, _flatten_into(obj, leaves)
+
+
+def _flatten_into(obj, leaves: list):
+    if type(obj) in (tuple, list):
+        return (type(obj), tuple(_flatten_into(v, leaves) for v in obj))
+    if type(obj) is dict:
+        return (dict, tuple((k, _flatten_into(v, leaves)) for k, v in obj.items()))
+    leaves.append(obj)
+    return None
+
+
+def _unflatten_call(leaves: list, spec):
+    return _build(iter(leaves), spec)
+
+
+def _build(leaves, spec):
+    if spec is None:
+        return next(leaves)
+    kind, parts = spec
+    if kind is dict:
+        return {k: _build(leaves, p) for k, p in parts}
+    return kind([_build(leaves, p) for p in parts])
 
 
 def _bytes_of(st) -> torch.Tensor:

@@ -39,7 +39,6 @@ from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import SlackSwapError
 
@@ -101,6 +100,52 @@ def _arg(func, i: int, args: tuple, kwargs: dict):
     return kwargs.get(func._schema.arguments[i].name)
 
 
+# ---- an aten op's values, flat --------------------------------------------------------------
+# An aten op takes and returns a tensor, a scalar, None, or a list/tuple of those (one level deep,
+# as in ``Tensor[]`` arguments). These two helpers flatten and rebuild that without torch's
+# general pytree, whose tree_flatten leaves a reference cycle behind on every call.
+def flatten(value) -> tuple[list, object]:
+    """(leaves, spec) of an op's result (or argument)."""
+    if isinstance(value, (tuple, list)):
+        leaves, spec = [], []
+        for v in value:
+            if isinstance(v, (tuple, list)):
+                spec.append((type(v), len(v)))
+                leaves.extend(v)
+            else:
+                spec.append(None)
+                leaves.append(v)
+        return leaves, (type(value), tuple(spec))
+    return [value], None
+
+
+def unflatten(leaves: list, spec) -> object:
+    if spec is None:
+        return leaves[0]
+    kind, parts = spec
+    out, i = [], 0
+    for part in parts:
+        if part is None:
+            out.append(leaves[i])
+            i += 1
+        else:
+            sub_kind, n = part
+            out.append(sub_kind(leaves[i:i + n]))
+            i += n
+    return kind(out)
+
+
+def tensors_in(args: tuple, kwargs: dict):
+    """The tensors among an op's arguments (lists of tensors included)."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (tuple, list)):
+            for w in v:
+                if isinstance(w, torch.Tensor):
+                    yield w
+
+
 def is_random(func) -> bool:
     return torch.Tag.nondeterministic_seeded in func.tags
 
@@ -112,7 +157,7 @@ def generator_of(func, args: tuple, kwargs: dict) -> torch.Generator | None:
         return gen
     device = kwargs.get("device")
     if device is None:
-        device = next((a.device for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)), None)
+        device = next((t.device for t in tensors_in(args, kwargs)), None)
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cpu":
         return torch.default_generator
@@ -191,7 +236,7 @@ class Recorder(TorchDispatchMode):
             gen = generator_of(func, args, kwargs)
             rng = (gen, gen.get_state()) if gen is not None else None
         out = func(*args, **kwargs)
-        leaves, spec = tree_flatten(out)
+        leaves, spec = flatten(out)
         metas, n = [], 0
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
@@ -239,7 +284,7 @@ class ReplayMode(TorchDispatchMode):
         if k not in self.rerun and not rec.inplace:
             outs = self._saved_outputs(k, rec)
             if outs is not None:
-                return tree_unflatten(outs, rec.spec)
+                return unflatten(outs, rec.spec)
         return self._run(func, args, kwargs, k, rec)
 
     def _saved_outputs(self, k: int, rec: OpRecord) -> list | None:
@@ -263,7 +308,7 @@ class ReplayMode(TorchDispatchMode):
             gen.set_state(state)
         undo = []
         for i in written_args(func):
-            for target in tree_flatten(_arg(func, i, args, kwargs))[0]:
+            for target in flatten(_arg(func, i, args, kwargs))[0]:
                 if isinstance(target, torch.Tensor) and target.untyped_storage()._cdata not in self.local:
                     with torch._C._DisableTorchDispatch(), torch.no_grad():
                         undo.append((target, target.clone()))
@@ -274,7 +319,7 @@ class ReplayMode(TorchDispatchMode):
                     target.copy_(old)
         self.ex.ran(self.call, k)
         n = 0
-        for leaf in tree_flatten(out)[0]:
+        for leaf in flatten(out)[0]:
             if not isinstance(leaf, torch.Tensor):
                 continue
             want = rec.metas[n] if n < len(rec.metas) else None

@@ -25,10 +25,9 @@ from typing import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from .naming import op_key
-from .replay import is_compute, mutated_args
+from .replay import flatten, is_compute, mutated_args, tensors_in
 
 __all__ = ["StepTracer", "TracedOp", "TracedSave", "TracedStorage"]
 
@@ -67,10 +66,6 @@ class TracedSave:
     sid: int
     ops_before: int  # ops traced when it was first packed
     users: set[int] = field(default_factory=set)  # ops whose backward unpacked it
-
-
-def _tensors(obj) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 def _in_backward() -> bool:
@@ -172,7 +167,7 @@ class StepTracer(TorchDispatchMode):
         self._counts[region] = local + 1
         op = TracedOp(len(self.ops), region, local, func.overloadpacket.__name__.strip("_"),
                       inplace=bool(mutated_args(func)))
-        inputs = [t for t in _tensors((args, kwargs)) if not t.is_meta]
+        inputs = [t for t in tensors_in(args, kwargs) if not t.is_meta]
         if not _reads_only_shapes(op.name):
             op.reads = [self._sid_of(t) for t in inputs]
         tl = self.timeline
@@ -183,8 +178,8 @@ class StepTracer(TorchDispatchMode):
         if tl is not None:
             tl.span("compute", "fwd", op.key, span, tl.now())
         in_storages = {t.untyped_storage()._cdata for t in inputs}
-        for t in _tensors(out):
-            if t.is_meta:
+        for t in flatten(out)[0]:
+            if not isinstance(t, torch.Tensor) or t.is_meta:
                 continue
             st = t.untyped_storage()
             if st._cdata in in_storages:  # in place (or out=): the storage keeps its id, this op rewrote it

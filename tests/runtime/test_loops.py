@@ -1,0 +1,142 @@
+"""Real training loops under plans: several forwards before one backward, no_grad and eval()
+forwards in between, gradient accumulation, all exact under random plans; and hundreds of steps
+with a recompute plan that leave host and device memory flat."""
+
+import gc
+import warnings
+
+import pytest
+import torch
+
+import slackswap_ds as ss
+
+from exactness import assert_exact, profile, random_plan, run, without_caches
+
+transformers = pytest.importorskip("transformers")
+import zoo  # noqa: E402  (needs transformers)
+
+PLANS = 6
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    transformers.logging.set_verbosity_error()
+    model, batch = zoo.ZOO["gpt2-eager"].build(torch.float32)
+    return without_caches(model), batch
+
+
+def two_forwards(model, batch):
+    """R-Drop: the same batch twice (two dropout masks), one loss, one backward."""
+    a, b = model(**batch), model(**batch)
+    loss = a.loss + b.loss + (a.logits - b.logits).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def no_grad_forward_between(model, batch):
+    out = model(**batch)
+    with torch.no_grad():
+        model(**batch)  # e.g. an EMA teacher or a metric
+    out.loss.backward()
+    return out.loss
+
+
+def eval_forward_between(model, batch):
+    out = model(**batch)
+    model.eval()
+    probe = model(**batch)  # with grad, in eval mode: not planned, left to autograd
+    model.train()
+    (out.loss + 0 * probe.loss).backward()
+    return out.loss
+
+
+def accumulate(model, batch, micro=3):
+    total = 0
+    for _ in range(micro):
+        out = model(**batch)
+        (out.loss / micro).backward()
+        total = total + out.loss.detach()
+    return total
+
+
+@pytest.mark.parametrize("loop", [two_forwards, no_grad_forward_between, eval_forward_between, accumulate])
+def test_loops_are_exact_under_random_plans(gpt2, loop):
+    model, batch = gpt2
+    reference = run(model, loop, batch)
+    prof = profile(model, loop, batch)
+    if loop is two_forwards:  # the second forward's layer calls are regions of their own
+        assert {"transformer.h.0", "transformer.h.0@1"} <= set(prof.regions)
+    for seed in range(PLANS):
+        ex = ss.apply(model, random_plan(prof, seed), prof)
+        assert_exact(run(model, loop, batch, ex), reference)
+        assert_exact(run(model, loop, batch, ex), reference)
+        last = ex.stats.last_step
+        assert last.fallbacks == {} and last.unplanned_reruns == 0 and ex.stats.demotions == []
+    steps_per_call = 3 if loop is accumulate else 1
+    assert ex.stats.steps == 2 * steps_per_call
+
+
+def test_eval_forward_with_grad_is_left_alone_and_does_not_shift_the_next_step(gpt2):
+    model, batch = gpt2
+    reference = run(model, zoo.step, batch)
+    prof = profile(model, zoo.step, batch)
+    ex = ss.apply(model, random_plan(prof, 0), prof)
+    with ex:
+        model.eval()
+        model(**batch).loss.backward()  # an eval-mode step with gradients (e.g. probing)
+        model.train()
+    assert ex.stats.steps == 0  # not a step of the plan
+    assert_exact(run(model, zoo.step, batch, ex), reference)
+    assert ex.stats.last_step.fallbacks == {} and ex.stats.last_step.kept_bytes > 0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some torch.distributed objects warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def test_soak_500_steps_with_a_recompute_plan_leaves_memory_flat(gpt2):
+    """A replay's graph is never backwarded: nothing it makes may outlive it (the leak this
+    guards against: a node that saves its own output forming a cycle through C++)."""
+    model, batch = gpt2
+    prof = profile(model, zoo.step, batch)
+    plan = ss.plan(prof, "a100-80g-pcie4", 1.0, planner="full-recompute")
+    ex = ss.apply(model, plan, prof)
+    samples = []
+    with ex:
+        for i in range(500):
+            model.zero_grad(set_to_none=True)
+            zoo.step(model, batch)
+            if i in (150, 499):  # (the allocators settle in the first ~100 steps)
+                samples.append((_live_tensors(), _rss()))
+    assert ex.stats.last_step.ops_recomputed > 0 and ex.stats.steps == 500
+    (tensors_150, rss_150), (tensors_499, rss_499) = samples
+    assert tensors_499 == tensors_150
+    # a leak of even 5% of one step's saved bytes would add 350 * 0.05 * ~0.6 MB = ~10 MB
+    assert rss_499 - rss_150 < 4 << 20, (rss_150 >> 20, rss_499 >> 20)
+    assert ex._resident == 0  # every saved byte the executor held has been released
+
+
+@pytest.mark.parametrize("loop", [zoo.step, two_forwards, accumulate])
+def test_steps_leave_no_garbage_for_the_cycle_collector(gpt2, loop):
+    """Nothing of a step (entries, layer-call records, replay graphs) waits for the garbage
+    collector: with it off, 10 steps leave no unreachable object (the model alone leaves none)."""
+    model, batch = gpt2
+    prof = profile(model, loop, batch)
+    for ctx in (None, ss.apply(model, random_plan(prof, 7), prof)):
+        run(model, loop, batch, ctx)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(10):
+                run(model, loop, batch, ctx)
+            assert gc.collect() == 0
+        finally:
+            gc.enable()
