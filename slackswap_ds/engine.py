@@ -161,6 +161,8 @@ class SlackSwapRuntime:
             return forward(*args, **kwargs)
 
         def slackswap_backward(loss, *args, **kwargs):
+            if hasattr(self.active, "end_forward"):
+                self.active.end_forward()  # profiling: the model's forward is over
             try:
                 return backward(loss, *args, **kwargs)
             finally:
@@ -226,6 +228,7 @@ class SlackSwapRuntime:
         plan = None
         if rank == 0:
             plan = self._load_plan(local) or get_planner(self.cfg.planner)(local, self.hw, budget, self.plan_share)
+            plan = self._fit_to_device(local, plan)
             if self.cfg.plan_file:
                 plan.save(self.cfg.plan_file)
         profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
@@ -259,6 +262,21 @@ class SlackSwapRuntime:
             write_trace(res, self._trace_path("predicted"), title=f"slackswap plan {plan.digest[:12]} (predicted)",
                         budget_bytes=plan.budget_bytes)
             state.executor.record = True
+
+    def _fit_to_device(self, profile: StepProfile, plan: Plan) -> Plan:
+        """On a device without streams (DeepSpeed's CPU accelerator) copies are synchronous: the
+        plan runs as on `Hardware.instant_copies()`. Its prefetch triggers, timed for `hardware`,
+        are retimed for that if they would push the peak over the budget there (logged)."""
+        from .planners.common import fit_triggers
+        from .runtime.device import Device
+
+        if Device.current().has_streams:
+            return plan
+        fitted = fit_triggers(profile, plan, Hardware.instant_copies(), self.plan_share)
+        if fitted is not plan:
+            log.info("slackswap: copies are synchronous on this device; prefetches retimed so that the plan "
+                     "stays within its budget here (%s -> %s)", plan.digest[:12], fitted.digest[:12])
+        return fitted
 
     def _trace_path(self, kind: str) -> str:
         """trace_file for the measured step; <stem>.<kind><suffix> beside it for the prediction."""

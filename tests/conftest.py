@@ -1,3 +1,6 @@
+import os
+import socket
+
 import pytest
 
 from slackswap_ds.hardware import Hardware, load_hardware
@@ -26,3 +29,43 @@ def two_region_profile() -> StepProfile:
         Activation("r1:y", 20, (3,), (2,), ("r1:x",)),
     ]
     return StepProfile("toy", ops, acts)
+
+
+# ---- a real single-rank process group (gloo on 127.0.0.1) for in-process DeepSpeed tests -----
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def single_process_group():
+    """torch.distributed and deepspeed.comm for one rank on loopback, torn down afterwards."""
+    import deepspeed
+    import torch.distributed as tdist
+    import deepspeed.comm.comm as dcomm
+
+    if tdist.is_initialized():  # someone else's group: use it, leave it
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        yield
+        return
+    port = _free_loopback_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    saved_env = {k: os.environ.get(k) for k in env}
+    saved_cdb = dcomm.cdb
+    os.environ.update(env)
+    tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        yield
+    finally:
+        if tdist.is_initialized():
+            tdist.destroy_process_group()
+        dcomm.cdb = saved_cdb
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+

@@ -12,6 +12,7 @@ import pytest
 from slackswap_ds.config import load_config
 from slackswap_ds.engine import SlackSwapRuntime
 from slackswap_ds.errors import InvalidFileError, PlanError
+from slackswap_ds.plan import Decision
 
 ROOT = Path(__file__).resolve().parents[1]
 pytest.importorskip("deepspeed")
@@ -165,3 +166,70 @@ def test_node_topology_comes_from_the_config_else_each_rank_has_its_own_link(mon
     private = SlackSwapRuntime(_EngineShim(torch.nn.Linear(2, 2)), load_config({"slackswap": {"hardware": "a100-80g-pcie4"}}))
     private.attach()
     assert private.topology.uplink_of == (0, 1) and private.topology.source.startswith("default")
+
+
+# ---- in process, one rank: what ss.initialize takes over from a Hugging Face model --------------
+def _hf(kind: str):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(n_layer=3, n_embd=64, n_head=4, n_positions=64, vocab_size=128,
+                                      bos_token_id=0, eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg).train()
+    cfg = transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+                                   attention_dropout=0.1, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg).train()
+
+
+def _train(kind: str, mode: str, enabled: bool, steps: int = 4):
+    """`steps` steps of ss.initialize's engine on one rank: the losses, the final parameters, the runtime."""
+    import torch
+
+    import slackswap_ds as ss
+    from slackswap_ds.runtime import takeover
+
+    takeover._said.clear()
+    model = _hf(kind)
+    if mode == "checkpointing":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "slackswap": {"enabled": enabled, "activation_budget": 0.5, "profile_steps": 1,
+                            "hardware": "a100-80g-pcie4"}}
+    engine, *_ = ss.initialize(model=model, model_parameters=model.parameters(), config=config)
+    torch.manual_seed(1)
+    batches = [torch.randint(1, 128, (2, 16)) for _ in range(steps)]
+    losses = []
+    for step, ids in enumerate(batches):
+        torch.manual_seed(100 + step)
+        loss = engine(input_ids=ids, labels=ids, use_cache=True).loss  # the Hugging Face default, asked for
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, getattr(engine, "slackswap", None)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("mode", ["use_cache", "checkpointing"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_initialize_takes_over_caches_and_checkpointing_exactly_within_budget(single_process_group, kind, mode,
+                                                                              caplog):
+    import logging
+
+    import torch
+
+    losses_off, params_off, _ = _train(kind, mode, enabled=False)
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        losses_on, params_on, runtime = _train(kind, mode, enabled=True)
+    assert losses_on == losses_off
+    assert all(torch.equal(params_on[n], params_off[n]) for n in params_off)
+    stats, plan = runtime.last_stats, runtime.active_plan
+    assert stats is not None and stats.peak_device_bytes <= plan.budget_bytes
+    assert stats.fallbacks == {} and plan.keys(Decision.RECOMPUTE)  # the plan replays layers
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("use_cache turned off" in m for m in messages) == 1
+    assert sum("torch.utils.checkpoint" in m for m in messages) == (mode == "checkpointing")

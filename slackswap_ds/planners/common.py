@@ -203,3 +203,18 @@ def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardwa
             f"{planner}: its plan peaks at {budget_bytes + overshoot:,} B, over the budget of {budget_bytes:,} B"
         )
     return plan
+
+
+def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = PRIVATE) -> Plan:
+    """`plan` as it should run on `hw`, another device than it was made for: if its prefetches,
+    timed for the planning hardware, push the peak on `hw` over the budget, they are timed for
+    `hw` instead (same decisions; on `Hardware.instant_copies()`, the synchronous CPU path, each
+    copy-in then starts just before backward needs it). Returns `plan` itself if it fits."""
+    if not plan.prefetch:
+        return plan
+    if simulate(lower(profile, plan), share.limit(hw), budget_bytes=plan.budget_bytes, record=False).feasible:
+        return plan
+    triggers = alap_triggers(profile, dict(plan.decision), hw, share)
+    return Plan.build(profile, plan.decision, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
+                      planner=plan.planner, planner_version=plan.planner_version, prefetch=triggers,
+                      blocking=plan.blocking)

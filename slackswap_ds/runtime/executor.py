@@ -235,14 +235,17 @@ _PLAIN = (torch.Tensor, nn.Parameter)  # tensor subclasses (FakeTensor, DTensor,
 class Executor:
     """The context behind `apply` (see the module docstring). ``with executor as stats:``.
 
-    Without a schedule it runs in profiling mode: every saved tensor goes to host (blocking) and
-    comes back when backward needs it; `observer` (the tracer) hears of every save and unpack."""
+    Without a schedule it runs in profiling mode: saved tensors stay on the device while they fit
+    in `profile_keep_bytes` (default 0), the others go to host (blocking) and come back when
+    backward needs them; `observer` (the tracer) hears of every save and unpack."""
 
     def __init__(self, model: nn.Module, schedule: Schedule | None, profile: StepProfile | None, *,
                  pool: HostPool | None = None, record: bool = False, verify: bool = True,
                  replan: Callable[[StepProfile, Plan, dict[str, str]], tuple[StepProfile, Plan]] | None = None,
-                 observer: Any = None, takeover: bool = True):
+                 observer: Any = None, takeover: bool = True, device: Device | None = None,
+                 profile_keep_bytes: int = 0):
         self.model = model
+        self.profile_keep_bytes = profile_keep_bytes  # profiling: saves kept on the device up to this
         self.record = record  # keep a measured timeline of each step (stats.last_timeline)
         self.verify = verify
         self.replan = replan or replan_without
@@ -265,9 +268,9 @@ class Executor:
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._stack: contextlib.ExitStack | None = None
-        self._params: set[int] = set()
-        self._device: Device | None = None
-        self._device_type = "cpu"
+        self._params: dict[int, StorageWeakRef] = {}
+        self._device: Device | None = device  # default: from the model's parameters (Device.of)
+        self._device_type = device.torch_device.type if device is not None else "cpu"
         self._timeline: Timeline | None = None
         self._recorders: dict[str, Recorder] = {}
         self._call_args: list[int] = []  # profiling: storages of the running call's arguments
@@ -301,12 +304,15 @@ class Executor:
         from .takeover import takeover
         from .tracing import StepTracer
 
-        if self._device is None:  # first entry (the engine enters once per step)
-            self._device_type = _device_type(self.model)
-            self._device = Device.of(torch.device(self._device_type))
+        if not self._params:  # first entry (the engine enters once per step)
+            if self._device is None:
+                self._device_type = _device_type(self.model)
+                self._device = Device.of(torch.device(self._device_type))
             # a fast pre-check: parameters and buffers are never activations (_is_parameter is the
-            # full test, for parameters replaced later and ZeRO-3's gathered ones)
-            self._params = {t.untyped_storage()._cdata for t in (*self.model.parameters(), *self.model.buffers())}
+            # full test, for parameters replaced later and ZeRO-3's gathered ones). The weak
+            # references keep a storage that ZeRO-3 replaces from handing its address to an activation.
+            self._params = {st._cdata: StorageWeakRef(st) for st in
+                            (t.untyped_storage() for t in (*self.model.parameters(), *self.model.buffers()))}
         stack = contextlib.ExitStack()
         try:
             if self.takeover:
@@ -534,8 +540,8 @@ class Executor:
         nbytes = st.nbytes()
         program, stats = self._program, step.stats
         planned = program.acts.get(key) if program is not None else None
-        if program is None:
-            decision = Decision.SWAP  # profiling: everything to host, so the step fits any budget
+        if program is None:  # profiling: to host (blocking), so the step fits any budget above the kept bytes
+            decision = Decision.KEEP if self._resident + nbytes <= self.profile_keep_bytes else Decision.SWAP
         elif planned is None:
             decision = self._fallback(step, "not in the plan's profile")
         else:
@@ -920,7 +926,8 @@ def apply(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule: Sched
     ``with apply(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
 
     Keywords: `pool` (HostPool), `record` (measured timelines), `verify` (check recomputes on the
-    first step, default True), `replan` (how to re-plan after a demotion; default `replan_without`)."""
+    first step, default True), `replan` (how to re-plan after a demotion; default `replan_without`),
+    `device` (default: the Device of the model's parameters)."""
     if plan.profile_digest != profile.digest:
         raise PlanError(f"plan {plan.digest[:12]} was made for profile {plan.profile_digest[:12]}, not for "
                         f"{profile.name!r} ({profile.digest[:12]}); plan again for this profile")

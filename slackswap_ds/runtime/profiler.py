@@ -46,11 +46,14 @@ class ProfileSession:
     """``with ProfileSession(model) as session: step_fn(model, batch)``; then ``session.profile()``.
 
     `timer`: the op clock (default: perf_counter, synchronized on CUDA); `pool`: the host pool the
-    saved tensors go to (default: an unbounded one)."""
+    saved tensors go to (default: an unbounded one); `keep_bytes`: saved bytes that may stay on the
+    device (default 0: everything goes to host). Backward's copies back come on top of them (what
+    one op reads), so keep well under the budget; the host holds only what is not kept."""
 
-    def __init__(self, model: nn.Module, *, timer: Callable[[], float] | None = None, pool=None):
+    def __init__(self, model: nn.Module, *, timer: Callable[[], float] | None = None, pool=None,
+                 keep_bytes: int = 0):
         self.model = model
-        self.executor = Executor(model, None, None, pool=pool)
+        self.executor = Executor(model, None, None, pool=pool, profile_keep_bytes=keep_bytes)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.tracer = StepTracer(lambda: self.executor.regions.label, timer or _sync_timer(device))
         self.executor.observer = self.tracer
@@ -71,6 +74,11 @@ class ProfileSession:
             self.executor.__exit__(*exc)
         return False
 
+    def end_forward(self) -> None:
+        """What runs from now on outside backward is not the model's step (DeepSpeed's own
+        bookkeeping before it calls backward, which differs between ranks): not traced."""
+        self.tracer.forward_done = True
+
     @property
     def stats(self) -> StepStats:
         """The profiled step's counters (its peak of device-resident saved bytes, say)."""
@@ -82,14 +90,14 @@ class ProfileSession:
 
 
 def profile_step(model: nn.Module, step_fn: StepFn, batch: Any, *, name: str | None = None, warmup: int = 1,
-                 timer: Callable[[], float] | None = None, pool=None) -> StepProfile:
+                 timer: Callable[[], float] | None = None, pool=None, keep_bytes: int = 0) -> StepProfile:
     """Run `step_fn(model, batch)` (forward + backward) `warmup` times, then once traced, every
-    time with every saved tensor sent to host (see the module docstring), and return the
-    measured profile. Gradients the steps accumulate are left to the caller."""
+    time with saved tensors beyond `keep_bytes` sent to host (see the module docstring), and
+    return the measured profile. Gradients the steps accumulate are left to the caller."""
     for _ in range(warmup):
-        with ProfileSession(model, timer=timer, pool=pool).executor:
+        with ProfileSession(model, timer=timer, pool=pool, keep_bytes=keep_bytes).executor:
             step_fn(model, batch)
-    with ProfileSession(model, timer=timer, pool=pool) as session:
+    with ProfileSession(model, timer=timer, pool=pool, keep_bytes=keep_bytes) as session:
         step_fn(model, batch)
     return session.profile(name)
 

@@ -39,8 +39,8 @@ def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     def add_stack(stack: nn.Module, prefix: str) -> None:
         for i, layer in stack.named_children():
-            if _is_container(layer):
-                visit(layer, f"{prefix}{i}.")
+            if _is_container(layer):  # a list of lists: the inner lists are the stacks
+                (add_stack if _is_stack(layer) else visit)(layer, f"{prefix}{i}.")
             elif id(layer) not in seen:
                 seen.add(id(layer))
                 layers.append((f"{prefix}{i}", layer))

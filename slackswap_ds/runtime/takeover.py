@@ -102,10 +102,13 @@ def inline_checkpoints() -> Iterator[None]:
                     checkpointing.uninstall()
 
 
+_CACHE_OFF = ("slackswap: use_cache turned off while SlackSwap runs (config and call arguments; a KV cache "
+              "updated in forward would be updated again by every replay, and training does not read it)")
+
+
 def _no_cache_hook(module, args, kwargs):
     if kwargs.get("use_cache"):
-        _say_once("use_cache-arg", "slackswap: use_cache=True turned off for training (a cache updated in "
-                                   "forward would be updated again by every replay)")
+        _say_once("use_cache", _CACHE_OFF)
         kwargs = dict(kwargs, use_cache=False)
         return args, kwargs
     return None
@@ -134,9 +137,7 @@ def takeover(model: nn.Module) -> Iterator[None]:
     for config, _ in configs:
         config.use_cache = False
     if configs:
-        _say_once("use_cache-config", f"slackswap: {type(model).__name__}.config.use_cache turned off while "
-                                      f"SlackSwap runs (a KV cache updated in forward would be updated again "
-                                      f"by every replay; training does not read it)")
+        _say_once("use_cache", _CACHE_OFF)
     handle = model.register_forward_pre_hook(_no_cache_hook, with_kwargs=True)
     try:
         with inline_checkpoints():

@@ -89,6 +89,7 @@ class StepTracer(TorchDispatchMode):
         self.region, self.timer = region, timer
         self.timeline = None  # the executor's Timeline while it records one (spans of every op)
         self.closed = False  # the traced step has ended (gradient accumulation runs more: not traced)
+        self.forward_done = False  # ops run outside backward from now on are not the model's
         self.ops: list[TracedOp] = []
         self.storages: dict[int, TracedStorage] = {}
         self.saves: list[TracedSave] = []
@@ -159,7 +160,7 @@ class StepTracer(TorchDispatchMode):
                 if tl is not None:
                     tl.span("compute", "bwd", self.ops[op].key, span, tl.now())
             return out
-        if not is_compute(func):
+        if not is_compute(func) or self.forward_done:
             return func(*args, **kwargs)
         self._bind_last_node()
         region = self.region()

@@ -1,0 +1,186 @@
+"""Host overhead of SlackSwap's machinery against torch's own checkpointing, on tiny tensors.
+
+    python benchmarks/overhead_cpu.py [--layers 4] [--hidden 32] [--seq 16] [--repeats 41]
+
+With tiny tensors a step's time is mostly host time (Python, dispatch, autograd), so what each
+mechanism adds per aten op is what it costs a GPU step whose kernels are small. One run,
+interleaved, medians; every row on the same GPT-2-style model:
+
+  unmodified                 the plain step
+  slackswap keep-all         a plan that keeps everything: the hooks real plans use, nothing moved
+  slackswap swap-all         every saved tensor to the host pool and back (synchronous on CPU)
+  slackswap @0.5             the planner's plan at a 50% budget (swaps and recomputes)
+  slackswap recompute R      the recompute set R of the @0.5 plan, the rest kept
+  torch SAC, policy R        torch selective checkpointing per layer, recomputing exactly R
+  slackswap full recompute   every layer recomputed
+  torch checkpoint           torch.utils.checkpoint (non-reentrant) per layer
+
+"added us/op" is (row - unmodified) / aten ops of the unmodified step (forward and backward).
+Targets (issue 9): "slackswap recompute R" adds no more per op than "torch SAC, policy R"; on
+benchmarks/runtime_cpu.py (larger tensors) the keep-all plan costs <= 1.03x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import gc
+import itertools
+import statistics
+import sys
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import slackswap_ds as ss
+from slackswap_ds.plan import Decision, Kind, Plan, lower
+from slackswap_ds.planners.common import keep_all
+from slackswap_ds.runtime.replay import is_compute
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def recompute_set(prof, plan) -> dict[str, set[int]]:
+    """Per layer path: indices (within the layer call) of the compute ops the plan re-runs."""
+    first: dict[str, int] = {}
+    for i, o in enumerate(prof.ops):
+        first.setdefault(o.region, i)
+    index = {o.key: i for i, o in enumerate(prof.ops)}
+    out: dict[str, set[int]] = {}
+    for ins in lower(prof, plan).instrs:
+        if ins.kind is Kind.RECOMPUTE:
+            i = index[ins.name]
+            region = prof.ops[i].region
+            out.setdefault(region, set()).add(i - first[region])
+    return out
+
+
+def sac_context(rerun: set[int]):
+    """A context_fn for torch.utils.checkpoint: selective checkpointing that recomputes the compute
+    ops numbered in `rerun` (numbered as SlackSwap numbers them: views and aliases do not count) and
+    saves every other one. Each checkpoint call numbers its ops afresh."""
+    def context_fn():
+        counters = {False: itertools.count(), True: itertools.count()}
+
+        def policy(ctx, func, *args, **kwargs):
+            if not is_compute(func):
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            k = next(counters[ctx.is_recompute])
+            return CheckpointPolicy.PREFER_RECOMPUTE if k in rerun else CheckpointPolicy.MUST_SAVE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def checkpointed(blocks, paths, context_for=None):
+    """Each block's forward through torch.utils.checkpoint (non-reentrant), with `context_for(path)`
+    as its context_fn (selective checkpointing) when given and not None for that path."""
+    originals = [b.forward for b in blocks]
+    try:
+        for block, path, forward in zip(blocks, paths, originals):
+            kw = {"use_reentrant": False}
+            if context_for is not None:
+                ctx = context_for(path)
+                if ctx is None:
+                    continue
+                kw["context_fn"] = ctx
+            block.forward = functools.partial(checkpoint, forward, **kw)
+        yield
+    finally:
+        for block, forward in zip(blocks, originals):
+            block.forward = forward
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=32)
+    ap.add_argument("--seq", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=41)
+    args = ap.parse_args(argv)
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=2, n_positions=args.seq,
+                                  vocab_size=128, bos_token_id=0, eos_token_id=0, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    ids = torch.randint(1, 128, (args.batch, args.seq))
+    blocks = list(model.transformer.h)
+    paths = [f"transformer.h.{i}" for i in range(len(blocks))]
+
+    def step(m, b):
+        out = m(input_ids=b, labels=b)
+        out.loss.backward()
+        return out.loss
+
+    ticks = itertools.count()
+    prof = ss.profile_step(model, step, ids, warmup=0, timer=lambda: next(ticks) * 1e-6)
+    counter = _CountOps()
+    with counter:
+        step(model, ids)
+    n_ops = counter.n
+    planned = ss.plan(prof, "a100-80g-pcie4", 0.5)
+    rerun = recompute_set(prof, planned)
+    recompute_r = Plan.build(prof, {k: d if d is Decision.RECOMPUTE else Decision.KEEP for k, d in planned.decisions},
+                             budget_bytes=prof.total_bytes, hardware_digest="cpu", planner="recompute-set")
+    plans = {
+        "slackswap keep-all": Plan.build(prof, keep_all(prof), budget_bytes=prof.total_bytes, hardware_digest="cpu",
+                                         planner="keep-all"),
+        "slackswap swap-all": Plan.build(prof, {a.key: Decision.SWAP for a in prof.activations}, budget_bytes=0,
+                                         hardware_digest="cpu", planner="swap-all"),
+        "slackswap @0.5": planned,
+        "slackswap recompute R": recompute_r,
+        "slackswap full recompute": ss.plan(prof, "a100-80g-pcie4", 1.0, planner="full-recompute"),
+    }
+    runs: dict[str, object] = {"unmodified": contextlib.nullcontext}
+    for name, plan in plans.items():
+        runs[name] = functools.partial(lambda ex: ex, ss.apply(model, plan, prof, verify=False))
+    runs["torch SAC, policy R"] = lambda: checkpointed(blocks, paths, lambda p: sac_context(rerun[p]) if p in rerun
+                                                       else None)
+    runs["torch checkpoint"] = lambda: checkpointed(blocks, paths)
+    order = ["unmodified", "slackswap keep-all", "slackswap swap-all", "slackswap @0.5", "slackswap recompute R",
+             "torch SAC, policy R", "slackswap full recompute", "torch checkpoint"]
+    times: dict[str, list[float]] = {name: [] for name in order}
+    for r in range(args.repeats + 2):  # two warm-up rounds, dropped
+        for name in order:
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            ctx = runs[name]()
+            t0 = time.perf_counter()
+            with ctx:
+                step(model, ids)
+            if r >= 2:
+                times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["unmodified"])
+    recomputed = sum(len(s) for s in rerun.values())
+    print(f"GPT-2 style, {args.layers} layers, hidden {args.hidden}, seq {args.seq}, batch {args.batch}: "
+          f"{n_ops} aten ops per step; recompute set R = {recomputed} ops in {len(rerun)} layers; "
+          f"medians of {args.repeats}, interleaved")
+    print(f"{'run':26s} {'median ms':>10s} {'ratio':>7s} {'added us/op':>12s}")
+    for name in order:
+        med = statistics.median(times[name])
+        print(f"{name:26s} {med * 1e3:10.2f} {med / base:7.3f} {(med - base) / n_ops * 1e6:12.2f}")
+    ours, sac = statistics.median(times["slackswap recompute R"]), statistics.median(times["torch SAC, policy R"])
+    verdict = "met" if ours <= sac else "NOT met"
+    print(f"target: slackswap recompute R adds <= torch SAC, policy R per op: {verdict} "
+          f"({(ours - base) / n_ops * 1e6:.2f} vs {(sac - base) / n_ops * 1e6:.2f} us/op)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
