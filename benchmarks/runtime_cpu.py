@@ -5,7 +5,9 @@ unmodified model measured side by side in one run (medians over interleaved repe
 
 The CPU accelerator has no streams: swaps are synchronous copies into the host pool, so the swap
 rows measure copy cost, not overlap; swap-all prefetches at the triggers planned for an A100
-(as late as possible). Targets: keep-all plan overhead <= 5%.
+(as late as possible). Target: a keep-all plan, which runs the hooks every plan runs and moves
+nothing, costs <= 1.03x. benchmarks/overhead_cpu.py compares the machinery with torch's own
+checkpointing on tiny tensors.
 """
 
 from __future__ import annotations

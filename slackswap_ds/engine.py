@@ -238,9 +238,11 @@ class SlackSwapRuntime:
 
         if self.pool is None:
             self.pool = HostPool(self.share.host_pool_bytes, Device.current())
-        state.executor = apply(self.module, plan, profile, pool=self.pool)
+        schedule = lower(profile, plan)  # lowered once: simulated here, executed by the executor
+        state.executor = apply(self.module, plan, profile, schedule=schedule, pool=self.pool, replan=self._replan)
         rank_hw = self.share.limit(self.hw)  # this rank's link as shared with its neighbours
-        sim = simulate(lower(profile, plan), rank_hw, budget_bytes=plan.budget_bytes, record=False)
+        trace = bool(self.cfg.trace_file and rank == 0)
+        sim = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes, record=trace)
         from .planners import keep_all_result
 
         ideal = keep_all_result(profile, self.hw).step_s
@@ -258,10 +260,19 @@ class SlackSwapRuntime:
             from .report import write_trace
 
             # the prediction now; the first measured step replaces it (same format, see _after_backward)
-            res = simulate(lower(profile, plan), rank_hw, budget_bytes=plan.budget_bytes)
-            write_trace(res, self._trace_path("predicted"), title=f"slackswap plan {plan.digest[:12]} (predicted)",
+            write_trace(sim, self._trace_path("predicted"), title=f"slackswap plan {plan.digest[:12]} (predicted)",
                         budget_bytes=plan.budget_bytes)
             state.executor.record = True
+
+    def _replan(self, profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
+        """After the verifying step demoted tensors: this rank plans again, locally, with its share
+        (a nondeterministic kernel may misbehave on one rank only; ranks may then differ, logged)."""
+        from .planners import get_planner
+
+        pinned = profile.without_recompute(failures)
+        new = get_planner(plan.planner if plan.planner in _known_planners() else self.cfg.planner)(
+            pinned, self.hw, plan.budget_bytes, self.plan_share)
+        return pinned, self._fit_to_device(pinned, new)
 
     def _fit_to_device(self, profile: StepProfile, plan: Plan) -> Plan:
         """On a device without streams (DeepSpeed's CPU accelerator) copies are synchronous: the
@@ -370,6 +381,12 @@ class SlackSwapRuntime:
         node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
                   facts.node, node_ranks, facts.uplink, self.topology.source, self.share, self.plan_share)
+
+
+def _known_planners() -> set[str]:
+    from .planners import PLANNERS
+
+    return set(PLANNERS)
 
 
 def _has_mpi4py() -> bool:

@@ -85,6 +85,7 @@ class StepStats:
     copy_waits: int = 0  # swapped tensors backward needed before their prefetch had run
     other_device_bytes: int = 0  # saved tensors on another device than the model's (left alone)
     resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway
+    resized_bytes: int = 0  # their bytes minus the profile's
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
     verified: bool | None = None  # this step checked the plan's recomputes: True = all equal
     demoted: dict[str, str] = field(default_factory=dict)  # key -> why it failed verification
@@ -550,6 +551,7 @@ class Executor:
                 # data-dependent shapes (a mixture of experts routes other token counts every step):
                 # the decision still applies, exactly; only the plan's byte counts are off
                 stats.resized += 1
+                stats.resized_bytes += nbytes - planned.nbytes
         writer = step.writers.get(st._cdata)
         mine = writer is not None and writer[0].label == label
         if decision is Decision.RECOMPUTE and not mine:

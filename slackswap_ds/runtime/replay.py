@@ -64,8 +64,15 @@ FREE_OPS = frozenset({"detach", "alias", "lift_fresh", "sym_size", "sym_stride",
                       "_unsafe_view", "_reshape_alias"})  # the last two alias their input: views in all but name
 
 
+_COMPUTE: dict[Any, bool] = {}
+_RANDOM: dict[Any, bool] = {}
+
+
 def is_compute(func) -> bool:
-    return not (func.is_view or func.overloadpacket.__name__ in FREE_OPS)
+    out = _COMPUTE.get(func)
+    if out is None:
+        out = _COMPUTE[func] = not (func.is_view or func.overloadpacket.__name__ in FREE_OPS)
+    return out
 
 
 _MUTATED: dict[Any, tuple[int, ...]] = {}
@@ -147,7 +154,10 @@ def tensors_in(args: tuple, kwargs: dict):
 
 
 def is_random(func) -> bool:
-    return torch.Tag.nondeterministic_seeded in func.tags
+    out = _RANDOM.get(func)
+    if out is None:
+        out = _RANDOM[func] = torch.Tag.nondeterministic_seeded in func.tags
+    return out
 
 
 def generator_of(func, args: tuple, kwargs: dict) -> torch.Generator | None:
@@ -169,7 +179,8 @@ def generator_of(func, args: tuple, kwargs: dict) -> torch.Generator | None:
 
 
 def meta_of(t: torch.Tensor) -> tuple:
-    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    """(dtype, shape, stride, storage offset): how to view a storage as `t` again."""
+    return (t.dtype, t.size(), t.stride(), t.storage_offset())
 
 
 def rebuild(storage_owner: torch.Tensor, meta: tuple) -> torch.Tensor:
@@ -181,14 +192,18 @@ def rebuild(storage_owner: torch.Tensor, meta: tuple) -> torch.Tensor:
 
 
 # ---- forward: the record of one layer call ----------------------------------------------------
-@dataclass(eq=False)
 class OpRecord:
-    func: Any
-    spec: Any  # pytree spec of the outputs
-    leaves: list  # non-tensor outputs in place, None where a tensor was
-    metas: list[tuple]  # per tensor output (in order): meta_of
-    rng: tuple | None = None  # (generator, state) of a random op
-    inplace: bool = False
+    """One compute op of a recorded call: what a replay returns or checks in its place."""
+
+    __slots__ = ("func", "spec", "leaves", "metas", "rng", "inplace")
+
+    def __init__(self, func, spec, leaves: list, metas: list, rng: tuple | None, inplace: bool):
+        self.func = func
+        self.spec = spec  # structure of the result (see flatten)
+        self.leaves = leaves  # non-tensor results in place, None where a tensor was
+        self.metas = metas  # per tensor result, in order: meta_of
+        self.rng = rng  # (generator, state) of a random op
+        self.inplace = inplace
 
 
 @dataclass(eq=False)
@@ -323,7 +338,7 @@ class ReplayMode(TorchDispatchMode):
             if not isinstance(leaf, torch.Tensor):
                 continue
             want = rec.metas[n] if n < len(rec.metas) else None
-            if want is None or (leaf.dtype, tuple(leaf.shape)) != want[:2]:
+            if want is None or leaf.dtype != want[0] or leaf.size() != want[1]:
                 raise ReplayError(f"replay of {self.call.label!r}: op {k} ({func}) output {n} is "
                                   f"{leaf.dtype} {tuple(leaf.shape)}; forward made "
                                   f"{'nothing there' if want is None else f'{want[0]} {want[1]}'}")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .naming import op_key
@@ -94,7 +95,9 @@ class StepTracer(TorchDispatchMode):
         self.storages: dict[int, TracedStorage] = {}
         self.saves: list[TracedSave] = []
         self._save_of: dict[str, TracedSave] = {}
-        self._sid: dict[int, int] = {}  # storage cdata -> sid (the latest storage at that address)
+        # storage cdata -> sid; the weak reference keeps a dead storage's address from going to a new
+        # one (a tensor made outside the traced ops, `torch.tensor(3)` say, would inherit its sid)
+        self._sid: dict[int, tuple[int, StorageWeakRef]] = {}
         self._counts: dict[str, int] = {}
         self._node_op: dict[int, int] = {}
         self._nodes: list = []  # keep nodes alive so that their ids stay unique
@@ -125,11 +128,12 @@ class StepTracer(TorchDispatchMode):
     # ---- storages ---------------------------------------------------------------------------------
     def _sid_of(self, t: torch.Tensor) -> int:
         st = t.untyped_storage()
-        sid = self._sid.get(st._cdata)
-        if sid is None:
-            sid = len(self.storages)
-            self.storages[sid] = TracedStorage(sid, st.nbytes(), None)
-            self._sid[st._cdata] = sid
+        known = self._sid.get(st._cdata)
+        if known is not None:
+            return known[0]
+        sid = len(self.storages)
+        self.storages[sid] = TracedStorage(sid, st.nbytes(), None)
+        self._sid[st._cdata] = (sid, StorageWeakRef(st))
         return sid
 
     def _bind_last_node(self) -> None:
@@ -189,7 +193,7 @@ class StepTracer(TorchDispatchMode):
             else:
                 sid = len(self.storages)
                 self.storages[sid] = TracedStorage(sid, st.nbytes(), op.index, [op.index])
-                self._sid[st._cdata] = sid
+                self._sid[st._cdata] = (sid, StorageWeakRef(st))
             op.writes.append(sid)
             self._last_outputs.append(t)
         self.ops.append(op)

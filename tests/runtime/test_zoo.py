@@ -56,6 +56,7 @@ def test_every_plan_is_exact_and_within_budget(name, dtype):
         assert_exact(second, reference)
         predicted = simulate(lower(prof, plan), Hardware.instant_copies()).peak_bytes
         assert last.peak_device_bytes <= predicted <= plan.budget_bytes, label
+        assert last.resized == 0, label  # every saved storage has the profile's size
         assert verified.fallbacks == {} and last.fallbacks == {}, (label, verified.fallbacks)
         assert last.unplanned_reruns == 0 and ex.stats.demotions == [], label
         assert verified.verified in (True, None) and last.verified is None, label
