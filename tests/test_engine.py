@@ -198,8 +198,9 @@ def _train(kind: str, mode: str, enabled: bool, steps: int = 4):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              # full recompute: a plan that replays every layer, whatever this machine's op times are
               "slackswap": {"enabled": enabled, "activation_budget": 0.5, "profile_steps": 1,
-                            "hardware": "a100-80g-pcie4"}}
+                            "hardware": "a100-80g-pcie4", "planner": "full-recompute"}}
     engine, *_ = ss.initialize(model=model, model_parameters=model.parameters(), config=config)
     torch.manual_seed(1)
     batches = [torch.randint(1, 128, (2, 16)) for _ in range(steps)]

@@ -37,19 +37,29 @@ class Stack(nn.Module):
         return x.pow(2).mean()
 
 
+class Pair(nn.Module):
+    """Two linear maps around what a test layer does between them; `reset()` restores its state."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+        self.reset()
+
+    def reset(self) -> None:
+        pass
+
+
 def recompute_all(prof, **kw) -> Plan:
     return Plan.build(prof, {a.key: Decision.RECOMPUTE if a.recomputable else Decision.KEEP for a in prof.activations},
                       budget_bytes=prof.total_bytes, hardware_digest="any", planner="test", **kw)
 
 
 # ---- random ops ---------------------------------------------------------------------------------
-class TwoGenerators(nn.Module):
+class TwoGenerators(Pair):
     """Dropout from the default generator, then a mask from the layer's own generator: a replay that
     skips the first (its output kept) must still draw the second mask exactly."""
 
-    def __init__(self, width):
-        super().__init__()
-        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+    def reset(self) -> None:
         self.gen = torch.Generator().manual_seed(5)
 
     def forward(self, x):
@@ -67,8 +77,7 @@ def test_random_ops_replay_with_the_state_each_generator_had_in_forward():
         states[tag] = (torch.get_rng_state(), [layer.gen.get_state() for layer in model.layers])
 
     def reset():
-        for i, layer in enumerate(model.layers):
-            layer.gen.manual_seed(5 + i)
+        _reset(model)
 
     reset()
     reference = run(model, loss_step, x)
@@ -135,11 +144,7 @@ def _ninefold_backward(ctx, g_out, *rest):
 torch.library.register_autograd("slackswap_test::ninefold", _ninefold_backward, setup_context=_ninefold_setup)
 
 
-class Ninefold(nn.Module):
-    def __init__(self, width):
-        super().__init__()
-        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
-
+class Ninefold(Pair):
     def forward(self, x):
         out, lse, nothing, three, four, seven, five, eleven, empty = torch.ops.slackswap_test.ninefold(self.a(x), 2.0)
         assert nothing is None and (three, four, five) == (3, 4, 5) and int(seven) == 7 and int(eleven) == 11
@@ -161,24 +166,20 @@ def test_ops_returning_none_and_ints_replay_with_their_whole_result():
 
 
 # ---- the safety net --------------------------------------------------------------------------------
-class PythonNoise(nn.Module):
+class PythonNoise(Pair):
     """Draws from Python's `random`, which no replay can restore: not replayable."""
 
-    def __init__(self, width):
-        super().__init__()
-        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+    def reset(self) -> None:
         self.rng = random.Random(0)
 
     def forward(self, x):
         return self.b(self.a(x).tanh() * (1 + self.rng.random())).tanh()
 
 
-class Counting(nn.Module):
+class Counting(Pair):
     """Mutates Python state in forward and lets it change its output: not replayable."""
 
-    def __init__(self, width):
-        super().__init__()
-        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+    def reset(self) -> None:
         self.calls = 0
 
     def forward(self, x):
@@ -186,12 +187,10 @@ class Counting(nn.Module):
         return self.b(self.a(x).tanh() * self.calls).tanh()
 
 
-class Once(nn.Module):
+class Once(Pair):
     """Refuses a second call per step: its replay fails."""
 
-    def __init__(self, width):
-        super().__init__()
-        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+    def reset(self) -> None:
         self.armed = True
 
     def forward(self, x):
@@ -203,12 +202,7 @@ class Once(nn.Module):
 
 def _reset(model):
     for layer in model.layers:
-        if isinstance(layer, PythonNoise):
-            layer.rng.seed(0)
-        elif isinstance(layer, Counting):
-            layer.calls = 0
-        elif isinstance(layer, Once):
-            layer.armed = True
+        layer.reset()
 
 
 @pytest.mark.parametrize("kind, reason", [(PythonNoise, "values differ"), (Counting, "values differ"),
@@ -242,10 +236,8 @@ def test_a_layer_that_does_not_replay_is_demoted_logged_and_the_step_stays_exact
 
 
 def test_without_verification_a_replay_that_cannot_match_is_an_error_not_a_wrong_gradient():
-    class Growing(nn.Module):  # a replay sees another shape than forward did
-        def __init__(self, width):
-            super().__init__()
-            self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+    class Growing(Pair):  # a replay sees another shape than forward did
+        def reset(self) -> None:
             self.calls = 0
 
         def forward(self, x):
@@ -258,7 +250,6 @@ def test_without_verification_a_replay_that_cannot_match_is_an_error_not_a_wrong
     x = torch.randn(4, 16)
     prof = profile(model, loss_step, x)
     ex = ss.apply(model, recompute_all(prof), prof, verify=False)
-    for layer in model.layers:
-        layer.calls = 0
+    _reset(model)
     with pytest.raises(ReplayError, match="diverged from forward|made nothing|forward made"):
         run(model, loss_step, x, ex)
