@@ -401,7 +401,12 @@ class Executor:
 
     def _demote(self, failures: dict[str, str]) -> None:
         program = self._program
-        profile, plan = self.replan(program.profile, program.plan, failures)
+        try:
+            profile, plan = self.replan(program.profile, program.plan, failures)
+        except Exception as e:  # noqa: BLE001 - a failed re-plan must not lose the step: demote by hand
+            log.warning("slackswap: re-planning after a failed verification did not work (%s: %s); the failed "
+                        "tensors are swapped instead", type(e).__name__, e)
+            profile, plan = swap_instead(program.profile, program.plan, failures)
         self._set_program(Program(lower(profile, plan), profile))
         self.stats.demotions.append(dict(failures))
         reasons = sorted(set(failures.values()))
@@ -448,7 +453,7 @@ class Executor:
                 call.args = (flat, spec)
                 call.versions = [(a.tensor, a.tensor._version) for a in flat if isinstance(a, _Detached)]
                 step.calls[label] = call
-                rec = self._recorders[label] = Recorder(call, self._recorded_output)
+                rec = self._recorders[label] = Recorder(call, self._recorded_output, self._device_type)
             rec.__enter__()
         return hook
 
@@ -949,17 +954,23 @@ def replan_without(profile: StepProfile, plan: Plan, failures: dict[str, str]) -
     from ..hardware import preset_by_digest
     from ..planners import PLANNERS, PRIVATE
 
-    pinned = profile.without_recompute(failures)
     hw = preset_by_digest(plan.hardware_digest)
     planner = PLANNERS.get(plan.planner)
-    if hw is not None and planner is not None:
-        try:
-            return pinned, planner(pinned, hw, plan.budget_bytes, PRIVATE)
-        except Exception as e:  # noqa: BLE001 - fall back to demoting by hand, logged
-            log.warning("slackswap: re-planning with %s failed (%s); swapping the demoted tensors instead",
-                        plan.planner, e)
+    if hw is None or planner is None:
+        log.info("slackswap: no planner %r on known hardware to re-plan with; the failed tensors are swapped",
+                 plan.planner)
+        return swap_instead(profile, plan, failures)
+    pinned = profile.without_recompute(failures)
+    return pinned, planner(pinned, hw, plan.budget_bytes, PRIVATE)
+
+
+def swap_instead(profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
+    """The plan with the failed tensors swapped (prefetched when backward starts), every other
+    decision and trigger kept; the budget is not re-checked."""
+    pinned = profile.without_recompute(failures)
     decisions = dict(plan.decision)
     for key in failures:
         decisions[key] = Decision.SWAP
     return pinned, Plan.build(pinned, decisions, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
-                              planner=plan.planner, planner_version=plan.planner_version, blocking=plan.blocking)
+                              planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
+                              blocking=plan.blocking)

@@ -55,7 +55,7 @@ class ProfileSession:
         self.model = model
         self.executor = Executor(model, None, None, pool=pool, profile_keep_bytes=keep_bytes)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.tracer = StepTracer(lambda: self.executor.regions.label, timer or _sync_timer(device))
+        self.tracer = StepTracer(lambda: self.executor.regions.label, timer or _sync_timer(device), device.type)
         self.executor.observer = self.tracer
 
     def __enter__(self) -> "ProfileSession":
@@ -172,9 +172,12 @@ class _Regeneration:
         if out is None:
             ops, saved = self.tracer.ops, self.saved_in.get(region, {})
             out = {}
+            storages = self.tracer.storages
             for k in self.region_ops.get(region, ()):
                 op = ops[k]
-                out[k] = op.inplace or any(sid not in saved or self.final_writer(saved[sid]) != k for sid in op.writes)
+                out[k] = op.inplace or any(not storages[sid].by_value and (sid not in saved or
+                                                                           self.final_writer(saved[sid]) != k)
+                                           for sid in op.writes)
             self._runs[region] = out
         return out
 

@@ -195,15 +195,24 @@ def rebuild(storage_owner: torch.Tensor, meta: tuple) -> torch.Tensor:
 class OpRecord:
     """One compute op of a recorded call: what a replay returns or checks in its place."""
 
-    __slots__ = ("func", "spec", "leaves", "metas", "rng", "inplace")
+    __slots__ = ("func", "spec", "leaves", "at", "metas", "kept", "rng", "inplace")
 
-    def __init__(self, func, spec, leaves: list, metas: list, rng: tuple | None, inplace: bool):
+    def __init__(self, func, spec, leaves: list, at: tuple, metas: list, kept: dict, rng: tuple | None,
+                 inplace: bool):
         self.func = func
         self.spec = spec  # structure of the result (see flatten)
-        self.leaves = leaves  # non-tensor results in place, None where a tensor was
+        self.leaves = leaves  # the result's values, flat; tensors replaced by None
+        self.at = at  # positions of the tensors in `leaves`, in order (tensor n is at leaves[at[n]])
         self.metas = metas  # per tensor result, in order: meta_of
+        self.kept = kept  # tensor n -> its value, for tiny results kept by value (seeds, empty tensors)
         self.rng = rng  # (generator, state) of a random op
         self.inplace = inplace
+
+
+def by_value(t: torch.Tensor, device_type: str) -> bool:
+    """A result a record keeps by value: empty, or a few numbers on another device than the model's
+    (fused attention's philox seed and offset on the CPU): no saved entry will ever hold it."""
+    return t.numel() == 0 or (t.numel() <= 16 and t.device.type != device_type)
 
 
 @dataclass(eq=False)
@@ -236,9 +245,10 @@ def autocast_state(device_type: str) -> list[tuple[str, bool, Any]]:
 class Recorder(TorchDispatchMode):
     """Active inside one recorded layer call in forward (see the module docstring)."""
 
-    def __init__(self, call: CallRecord, on_output: Callable[[CallRecord, int, int, torch.Tensor], None]):
+    def __init__(self, call: CallRecord, on_output: Callable[[CallRecord, int, int, torch.Tensor], None],
+                 device_type: str):
         super().__init__()
-        self.call, self.on_output = call, on_output
+        self.call, self.on_output, self.device_type = call, on_output, device_type
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -252,14 +262,18 @@ class Recorder(TorchDispatchMode):
             rng = (gen, gen.get_state()) if gen is not None else None
         out = func(*args, **kwargs)
         leaves, spec = flatten(out)
-        metas, n = [], 0
+        at, metas, kept = [], [], {}
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
+                n = len(at)
+                at.append(i)
                 metas.append(meta_of(leaf))
                 self.on_output(call, k, n, leaf)
+                if by_value(leaf, self.device_type):
+                    with torch._C._DisableTorchDispatch(), torch.no_grad():
+                        kept[n] = leaf.clone()
                 leaves[i] = None
-                n += 1
-        call.ops.append(OpRecord(func, spec, leaves, metas, rng, bool(mutated_args(func))))
+        call.ops.append(OpRecord(func, spec, leaves, tuple(at), metas, kept, rng, bool(mutated_args(func))))
         return out
 
 
@@ -303,16 +317,16 @@ class ReplayMode(TorchDispatchMode):
         return self._run(func, args, kwargs, k, rec)
 
     def _saved_outputs(self, k: int, rec: OpRecord) -> list | None:
+        """Forward's result of op k from what the step saved, or None if some tensor of it is not at hand."""
         leaves = list(rec.leaves)
-        n = 0
-        for i, leaf in enumerate(leaves):
-            if leaf is None and n < len(rec.metas):
+        for n, i in enumerate(rec.at):
+            t = rec.kept.get(n)
+            if t is None:
                 entry = self.call.available.get((k, n))
                 t = None if entry is None else self.ex.materialize(entry, rec.metas[n])
                 if t is None:
                     return None
-                leaves[i] = t
-                n += 1
+            leaves[i] = t
         return leaves
 
     def _run(self, func, args, kwargs, k: int, rec: OpRecord):

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .naming import op_key
-from .replay import flatten, is_compute, mutated_args, tensors_in
+from .replay import by_value, flatten, is_compute, mutated_args, tensors_in
 
 __all__ = ["StepTracer", "TracedOp", "TracedSave", "TracedStorage"]
 
@@ -56,6 +56,7 @@ class TracedStorage:
     nbytes: int
     producer: int | None  # op that created it; None: made outside the traced ops (inputs, constants)
     writers: list[int] = field(default_factory=list)  # the producer, then any in-place writers
+    by_value: bool = False  # a tiny result a replay record keeps by value (replay.by_value)
 
 
 @dataclass
@@ -82,12 +83,13 @@ class StepTracer(TorchDispatchMode):
     """Trace steps run by an executor (see the module docstring).
 
     `region` returns the label of the region running now (the executor's RegionTracker);
-    `timer` is called before and after each op (a synchronizing timer on CUDA; tests pass a fake
+    `device_type` is the model's (where its activations live); `timer` is called before and after each op (a synchronizing timer on CUDA; tests pass a fake
     clock so that plans made from the trace do not depend on measured times)."""
 
-    def __init__(self, region: Callable[[], str], timer: Callable[[], float] = time.perf_counter):
+    def __init__(self, region: Callable[[], str], timer: Callable[[], float] = time.perf_counter,
+                 device_type: str = "cpu"):
         super().__init__()
-        self.region, self.timer = region, timer
+        self.region, self.timer, self.device_type = region, timer, device_type
         self.timeline = None  # the executor's Timeline while it records one (spans of every op)
         self.closed = False  # the traced step has ended (gradient accumulation runs more: not traced)
         self.forward_done = False  # ops run outside backward from now on are not the model's
@@ -192,7 +194,8 @@ class StepTracer(TorchDispatchMode):
                 self.storages[sid].writers.append(op.index)
             else:
                 sid = len(self.storages)
-                self.storages[sid] = TracedStorage(sid, st.nbytes(), op.index, [op.index])
+                self.storages[sid] = TracedStorage(sid, st.nbytes(), op.index, [op.index],
+                                                   by_value(t, self.device_type))
                 self._sid[st._cdata] = (sid, StorageWeakRef(st))
             op.writes.append(sid)
             self._last_outputs.append(t)
