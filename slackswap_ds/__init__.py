@@ -10,7 +10,7 @@ from .hardware import Hardware, Node, load_hardware, load_node
 from .plan import Decision, Plan
 from .profile import StepProfile
 
-__all__ = ["Decision", "Hardware", "Node", "Plan", "StepProfile", "apply", "initialize", "install",
+__all__ = ["Decision", "Hardware", "Node", "Plan", "StepProfile", "apply", "initialize", "install", "uninstall",
            "load_hardware", "load_node", "plan", "profile_step"]
 
 
@@ -37,8 +37,8 @@ def __getattr__(name: str):
         from .engine import initialize
 
         return initialize
-    if name == "install":
-        from .checkpointing import install
+    if name in ("install", "uninstall"):
+        from . import routing as module
 
-        return install
+        return getattr(module, name)
     raise AttributeError(f"module 'slackswap_ds' has no attribute {name!r}")

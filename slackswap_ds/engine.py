@@ -38,11 +38,15 @@ from .agreement import AgreementError  # noqa: F401  (re-exported: callers catch
 from .config import SlackSwapConfig, load_config
 from .errors import PlanError
 from .hardware import Hardware, load_hardware
+from .routing import MARK, original_initialize, remember_original
 from .plan import Decision, Plan, lower
 from .profile import StepProfile
 from .simulator import simulate
 
 log = logging.getLogger("slackswap_ds")
+# `deepspeed.initialize = ss.initialize` written by hand imports this module before the assignment
+# happens: DeepSpeed's own function is kept now (routing.py)
+remember_original()
 
 
 def _setup_logging(level: str) -> None:
@@ -60,8 +64,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """`deepspeed.initialize`, plus the `"slackswap"` section of the config. Returns the same
     tuple (engine, optimizer, training_dataloader, lr_scheduler); the engine's forward/backward
     then follow SlackSwap plans. Without a section, or with `"enabled": false`, it is plain DeepSpeed."""
-    import deepspeed
-
     ds_config = config if config is not None else config_params
     if ds_config is None and args is not None:
         ds_config = getattr(args, "deepspeed_config", None)
@@ -75,14 +77,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config, config_params = {k: v for k, v in ds_config.items() if k != "slackswap"}, None
         if args is not None and getattr(args, "deepspeed_config", None) is not None:
             args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
-    out = deepspeed.initialize(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
-                               training_data=training_data, lr_scheduler=lr_scheduler, *rest, config=config,
-                               config_params=config_params, **kwargs)
+    out = original_initialize()(args=args, model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                training_data=training_data, lr_scheduler=lr_scheduler, *rest, config=config,
+                                config_params=config_params, **kwargs)
     engine = out[0]
     if cfg.enabled:
         _setup_logging(cfg.log_level)
         SlackSwapRuntime(engine, cfg).attach()
     return out
+
+
+setattr(initialize, MARK, True)  # recognised as SlackSwap's wherever it is bound
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:

@@ -1,0 +1,58 @@
+"""Run a training script with SlackSwap installed, without changing a line of it.
+
+    python -m slackswap_ds.run train.py --deepspeed_config slackswap.json [script args]
+    python -m slackswap_ds.run -m my_package.train [module args]
+
+`ss.install()` runs first (DeepSpeed's `initialize` and `checkpointing` routed through SlackSwap;
+see routing.py), then the script runs as ``__main__``, exactly as ``python train.py`` would run it
+(its own directory first on sys.path, sys.argv as it expects). The `"slackswap"` section of the
+DeepSpeed config it hands to `deepspeed.initialize` (directly, or through Hugging Face's Trainer,
+Accelerate or PyTorch Lightning) decides the rest. Every launcher can start it:
+
+    deepspeed --num_gpus 8 --module slackswap_ds.run train.py --deepspeed_config slackswap.json
+    torchrun --nproc_per_node 8 -m slackswap_ds.run train.py --deepspeed_config slackswap.json
+    accelerate launch -m slackswap_ds.run train.py ...
+    mpirun -n 8 python -m slackswap_ds.run train.py ...
+
+DeepSpeed's launcher puts ``--local_rank=N`` before the script's name when it starts a module; it is
+handed on to the script where a script started directly would get it (first).
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+USAGE = "usage: python -m slackswap_ds.run [--local_rank=N] (SCRIPT | -m MODULE) [ARGS...]"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed: list[str] = []  # launcher arguments that come before the script (DeepSpeed's --local_rank)
+    while argv and argv[0].startswith("--local_rank"):
+        passed.append(argv.pop(0))
+        if passed[-1] == "--local_rank" and argv:
+            passed.append(argv.pop(0))
+    if not argv or argv[0] in ("-h", "--help"):
+        raise SystemExit(f"{USAGE}\n\n{__doc__}")
+    from .routing import install
+
+    install()
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise SystemExit(USAGE)
+        module, rest = argv[1], argv[2:]
+        sys.argv = [module] + passed + rest
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        return
+    script, rest = argv[0], argv[1:]
+    if not os.path.exists(script):
+        raise SystemExit(f"slackswap_ds.run: no such script {script!r}\n{USAGE}")
+    sys.argv = [script] + passed + rest
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""Hugging Face's Trainer with `deepspeed=<json>` (it calls deepspeed.initialize through Accelerate)."""
+
+import os
+import tempfile
+
+import torch
+import transformers
+
+from common import STEPS, batch, model, parse_args, write_losses
+
+args = parse_args()
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        ids = batch(-1 - i)
+        return {"input_ids": ids, "labels": ids}
+
+
+with tempfile.TemporaryDirectory() as out:
+    training = transformers.TrainingArguments(
+        output_dir=out, deepspeed=args.deepspeed_config, max_steps=STEPS, per_device_train_batch_size=2,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model(), args=training, train_dataset=Data())
+    trainer.train()
+write_losses(args.losses, [h["loss"] for h in trainer.state.log_history if "loss" in h])

@@ -1,0 +1,126 @@
+"""Zero code changes: scripts that never heard of SlackSwap (tests/adoption/) get it from their
+DeepSpeed JSON alone, through `python -m slackswap_ds.run` under the real launchers, on 2 CPU
+ranks (loopback only); their losses equal the same job with `"enabled": false`. And `ss.install()`
+itself: routes deepspeed.initialize without recursion, idempotent, undone by `uninstall()`."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "adoption"
+pytest.importorskip("deepspeed")
+pytest.importorskip("transformers")
+
+SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g-pcie4"}
+
+
+def _env() -> dict:
+    # one thread per rank: two runs of the same job then agree to the last bit (see test_engine)
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _port(offset: int) -> str:
+    return str(29800 + (os.getpid() + offset) % 100)
+
+
+def launch(tmp_path: Path, launcher: str, script: str, config: dict, enabled: bool) -> tuple[list[float], str]:
+    config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled}}
+    name = f"{script}.{launcher}.{'on' if enabled else 'off'}"
+    cfg, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
+    cfg.write_text(json.dumps(config))
+    target = [str(SCRIPTS / f"{script}.py"), "--deepspeed_config", str(cfg), "--losses", str(losses)]
+    if launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
+               "--master_port", _port(1), "--module", "slackswap_ds.run", *target]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", _port(2), "-m", "slackswap_ds.run", *target]
+    else:  # accelerate
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
+               str(cfg), "--num_processes", "2", "--num_machines", "1", "--main_process_ip", "127.0.0.1",
+               "--main_process_port", _port(3), "-m", "slackswap_ds.run", *target]
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return json.loads(losses.read_text()), out
+
+
+def plans_logged(out: str) -> list[str]:
+    """The ranks that logged a plan line."""
+    return sorted(re.findall(r"slackswap rank (\d): budget", out))
+
+
+DEEPSPEED = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+             "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}},
+             "zero_optimization": {"stage": 0}}
+HF = {**DEEPSPEED, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "optimizer": {"type": "Adam", "params": {"lr": "auto", "torch_adam": True}}}
+ACCELERATE = {k: v for k, v in DEEPSPEED.items() if k != "optimizer"}  # the script brings its optimizer
+
+
+@pytest.mark.parametrize("launcher, script, config", [
+    ("deepspeed", "plain_deepspeed", DEEPSPEED),
+    ("torchrun", "plain_deepspeed", DEEPSPEED),
+    ("deepspeed", "hf_trainer", HF),
+    ("accelerate", "accelerate_plugin", ACCELERATE),
+], ids=["deepspeed-script", "torchrun-script", "hf-trainer", "accelerate-plugin"])
+def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, launcher, script, config):
+    losses_on, out_on = launch(tmp_path, launcher, script, config, enabled=True)
+    losses_off, out_off = launch(tmp_path, launcher, script, config, enabled=False)
+    assert len(losses_on) == 6 and losses_on == losses_off
+    assert plans_logged(out_on) == ["0", "1"] and plans_logged(out_off) == []
+
+
+# ---- ss.install() itself, in process -------------------------------------------------------------
+def test_install_routes_deepspeed_initialize_once_and_uninstall_restores_it():
+    import deepspeed
+
+    import slackswap_ds as ss
+    from slackswap_ds import checkpointing
+    from slackswap_ds.routing import is_installed, original_initialize
+
+    own = deepspeed.initialize
+    assert not is_installed()
+    try:
+        assert ss.install() is True and ss.install() is False  # idempotent
+        assert deepspeed.initialize is ss.initialize and original_initialize() is own
+        assert checkpointing.is_installed()
+    finally:
+        assert ss.uninstall() is True and ss.uninstall() is False
+    assert deepspeed.initialize is own and not checkpointing.is_installed()
+
+
+def test_rebinding_deepspeed_initialize_by_hand_does_not_recurse():
+    """`deepspeed.initialize = ss.initialize` (the obvious patch): SlackSwap still finds DeepSpeed's own."""
+    import deepspeed
+
+    import slackswap_ds as ss
+    from slackswap_ds.routing import original_initialize
+
+    own = deepspeed.initialize
+    try:
+        deepspeed.initialize = ss.initialize
+        assert original_initialize() is own
+    finally:
+        deepspeed.initialize = own
+
+
+def test_run_hands_the_script_its_arguments(tmp_path):
+    script = tmp_path / "show.py"
+    script.write_text("import sys, json, deepspeed, slackswap_ds as ss\n"
+                      "print(json.dumps([sys.argv, deepspeed.initialize is ss.initialize, __name__]))\n")
+    cmd = [sys.executable, "-m", "slackswap_ds.run", "--local_rank=1", str(script), "--a", "b"]
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    argv, routed, name = json.loads(out.stdout.strip().splitlines()[-1])
+    assert argv == [str(script), "--local_rank=1", "--a", "b"] and routed and name == "__main__"
+    missing = subprocess.run([sys.executable, "-m", "slackswap_ds.run", str(tmp_path / "nope.py")], cwd=ROOT,
+                             env=_env(), capture_output=True, text=True, timeout=300)
+    assert missing.returncode != 0 and "no such script" in missing.stderr
