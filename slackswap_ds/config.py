@@ -249,9 +249,18 @@ class SlackSwapConfig(BaseModel):
     )
     plan_file: str | None = Field(
         None,
-        description="Where to save the plan as JSON. If the file already exists, its plan is loaded "
-        "instead of planning (it must match the profile and hardware). `null`: plan in memory only.",
+        description="A JSON file of plans, one per input shape, each with what it was made for (input shapes "
+        "and dtypes, profile structure, budget, hardware, planner, node share, world layout). A plan is reused "
+        "only where all of these match; otherwise the reason is logged and the shape is planned afresh (see "
+        "`plan_file_mismatch`). Rank 0 writes it atomically; a read-only file is used and never rewritten. Its "
+        "folder must exist. `null`: plan in memory only.",
         json_schema_extra=_doc("path or null", "slackswap-plan.json"),
+    )
+    plan_file_mismatch: Literal["replan", "error"] = Field(
+        "replan",
+        description='When `plan_file` has no plan made for this job: `"replan"` (log why, plan afresh) or '
+        '`"error"` (stop with the reason).',
+        json_schema_extra=_doc('"replan" or "error"', "replan"),
     )
     sync: Literal["auto", "mpi", "torch"] = Field(
         "auto",
@@ -388,8 +397,16 @@ class SlackSwapConfig(BaseModel):
     @field_validator("plan_file", "trace_file")
     @classmethod
     def _path_or_none(cls, v: str | None) -> str | None:
-        if v is not None and not v.strip():
+        if v is None:
+            return v
+        if not v.strip():
             raise ValueError("an empty path. Fix: give a file path, or null to turn it off")
+        folder = os.path.dirname(os.path.abspath(v))
+        if not os.path.isdir(folder):
+            raise ValueError(f"its folder {folder!r} does not exist. Fix: create it, or give a path in an "
+                             f"existing folder")
+        if os.path.isdir(v):
+            raise ValueError("a folder, not a file. Fix: give a file path in it")
         return v
 
 

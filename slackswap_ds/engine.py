@@ -142,6 +142,7 @@ class SlackSwapRuntime:
     channel: Any = None  # the agreement.Channel of this job, made on first use
     mpi_node: int | None = None  # this rank's node by MPI shared memory (MPI launches only)
     pool: Any = None  # one HostPool for every shape's executor
+    node_ranks: int = 1  # ranks on this rank's node (from the node facts)
 
     def attach(self) -> None:
         engine = self.engine
@@ -208,7 +209,7 @@ class SlackSwapRuntime:
         ctx.__exit__(None, None, None)
         state = self.shapes[key]
         if state.executor is None:
-            self._make_plan(state, ctx.profile(type(self.module).__name__))
+            self._make_plan(state, ctx.profile(type(self.module).__name__), key)
         else:
             self.last_stats = state.executor.stats.last_step
             self.active_plan = state.plan
@@ -221,7 +222,7 @@ class SlackSwapRuntime:
                             title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
-    def _make_plan(self, state: _ShapeState, local: StepProfile) -> None:
+    def _make_plan(self, state: _ShapeState, local: StepProfile, key: tuple) -> None:
         from .agreement import agree
         from .planners import get_planner
         from .runtime.executor import apply
@@ -232,10 +233,12 @@ class SlackSwapRuntime:
         self._coordinate(channel, local, budget)
         plan = None
         if rank == 0:
-            plan = self._load_plan(local) or get_planner(self.cfg.planner)(local, self.hw, budget, self.plan_share)
-            plan = self._fit_to_device(local, plan)
-            if self.cfg.plan_file:
-                plan.save(self.cfg.plan_file)
+            made_for = self._made_for(local, budget, channel.world, key)
+            plan = self._load_plan(local, made_for)
+            if plan is None:
+                plan = get_planner(self.cfg.planner)(local, self.hw, budget, self.plan_share)
+                plan = self._fit_to_device(local, plan)
+                self._save_plan(made_for, plan)
         profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
         state.profile, state.plan = profile, plan
         from .runtime.device import Device
@@ -302,20 +305,59 @@ class SlackSwapRuntime:
         root, ext = os.path.splitext(path)
         return f"{root}.{kind}{ext or '.json'}"
 
-    def _load_plan(self, profile: StepProfile) -> Plan | None:
+    def _made_for(self, profile: StepProfile, budget: int, world: int, key: tuple):
+        """What a plan made now is made for (planfile.MadeFor)."""
+        from .planfile import MadeFor
+
+        share = self.plan_share
+        return MadeFor(
+            inputs="; ".join(f"{tuple(shape)} {dtype}" for shape, dtype in key),
+            structure=profile.structure_digest, budget_bytes=int(budget), hardware=f"{self.hw.name} {self.hw.digest}",
+            planner=self.cfg.planner,
+            share=f"d2h {share.d2h_bps} h2d {share.h2d_bps} pool {share.host_pool_bytes}",
+            world=f"{world} ranks, {self.node_ranks} per node")
+
+    def _load_plan(self, profile: StepProfile, made_for) -> Plan | None:
+        """The plan_file's plan made for exactly this job (rebuilt for this profile: the same
+        decisions and triggers), or None; a file with none is refused with the reason."""
+        from . import planfile
+
         path = self.cfg.plan_file
-        if not path or not os.path.exists(path):
+        if not path:
             return None
-        plan = Plan.load(path)  # malformed or foreign files raise with the reason
+        entries = planfile.read(path)  # a malformed or foreign file raises with the reason
+        entry, why = planfile.find(entries, made_for)
+        if entry is None:
+            if why:
+                message = (f"plan_file {path!r} has no plan made for this job ({'; '.join(why)})")
+                if self.cfg.plan_file_mismatch == "error":
+                    raise PlanError(message + '; delete the file, or set "plan_file_mismatch": "replan"')
+                log.warning("slackswap: %s: planning afresh", message)
+            return None
+        plan = entry.plan
         try:
             plan.check(profile)
         except PlanError as e:
             raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
-        # made for the same structure (times may differ): adopt it for this profile
         log.info("slackswap: using the plan in plan_file %s (%s)", path, plan.digest[:12])
         return Plan.build(profile, plan.decision, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
                           planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
                           blocking=plan.blocking)
+
+    def _save_plan(self, made_for, plan: Plan) -> None:
+        """Add the plan to plan_file (atomically; rank 0 only); a read-only file is left as it is."""
+        from . import planfile
+
+        path = self.cfg.plan_file
+        if not path:
+            return
+        if not planfile.writable(path):
+            log.info("slackswap: plan_file %s is read-only: used as it is, not updated", path)
+            return
+        try:
+            planfile.write(path, planfile.upsert(planfile.read(path), planfile.Entry(made_for, plan)))
+        except OSError as e:  # the plan is made and agreed: losing the file must not stop training
+            log.warning("slackswap: could not write plan_file %s (%s); the plan is used, not saved", path, e)
 
     # ---- node coordination -------------------------------------------------------------------
     def _via(self) -> str:
@@ -384,6 +426,7 @@ class SlackSwapRuntime:
         shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node)
         self.share, self.plan_share = shares[channel.rank], tightest(shares)
         node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
+        self.node_ranks = len(node_ranks)
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
                   facts.node, node_ranks, facts.uplink, self.topology.source, self.share, self.plan_share)
 

@@ -64,31 +64,90 @@ def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(tmp_path, 
 
 
 
+def _gpt2(hidden=64):
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=hidden, n_head=4, n_positions=64, vocab_size=128,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).train()
+
+
+def _steps(runtime_config: dict, seqs=(16, 16, 16), hidden=64):
+    """A one-process runtime (no DeepSpeed) over a tiny GPT-2; the runtime after `seqs` steps."""
+    import torch
+
+    model = _gpt2(hidden)
+    engine = _EngineShim(model)
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1,
+                                                                  **runtime_config}}))
+    runtime.attach()
+    for seq in seqs:
+        ids = torch.randint(1, 128, (2, seq))
+        engine.backward(engine.forward(input_ids=ids, labels=ids).loss)
+    return runtime
+
+
+def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_else(tmp_path, caplog):
+    import logging
+
+    from slackswap_ds import planfile
+
+    path = tmp_path / "plans.json"
+    first = _steps({"plan_file": str(path)}, seqs=(16, 16, 16, 32, 32))
+    entries = planfile.read(path)
+    assert sorted(e.made_for.inputs for e in entries) == ["(2, 16) torch.int64; (2, 16) torch.int64",
+                                                          "(2, 32) torch.int64; (2, 32) torch.int64"]
+    digests = {e.made_for.inputs: e.plan.decisions for e in entries}
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        again = _steps({"plan_file": str(path)}, seqs=(16, 16, 16, 32, 32))
+    assert sum("using the plan in plan_file" in r.getMessage() for r in caplog.records) == 2
+    assert {k: s.plan.decisions for k, s in again.shapes.items()} == \
+        {k: s.plan.decisions for k, s in first.shapes.items()}
+    assert {e.made_for.inputs: e.plan.decisions for e in planfile.read(path)} == digests
+    # made for another budget, another hardware, another model: refused with the reason, re-planned
+    for change, field in [({"activation_budget": 0.6}, "budget_bytes"), ({"hardware": "h100-pcie5"}, "hardware")]:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+            _steps({"plan_file": str(path), **change})
+        assert any("has no plan made for this job" in r.getMessage() and field in r.getMessage()
+                   for r in caplog.records), field
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        _steps({"plan_file": str(path)}, hidden=32)
+    assert any("structure" in r.getMessage() for r in caplog.records)
+    with pytest.raises(PlanError, match="has no plan made for this job"):
+        _steps({"plan_file": str(path), "activation_budget": 0.7, "plan_file_mismatch": "error"})
+
+
 def test_plan_file_that_is_corrupt_or_foreign_is_refused(tmp_path):
-    from conftest import two_region_profile
-    from slackswap_ds.plan import Decision, Plan
-    from slackswap_ds.profile import Activation, Op, StepProfile
+    path = tmp_path / "plans.json"
+    for text, match in [("{ not json", "cannot read plan_file"), ('{"format": "slackswap.plan/1"}', "not a slackswap")]:
+        path.write_text(text)
+        with pytest.raises(InvalidFileError, match=match):
+            _steps({"plan_file": str(path)})
 
-    profile = two_region_profile()
-    path = tmp_path / "plan.json"
-    cfg = load_config({"slackswap": {"plan_file": str(path), "hardware": "a100-80g-pcie4"}})
-    runtime = SlackSwapRuntime(engine=None, cfg=cfg)
-    assert runtime._load_plan(profile) is None  # no file yet: plan afresh
 
-    path.write_text("{ not json")
-    with pytest.raises(InvalidFileError, match="cannot read plan"):
-        runtime._load_plan(profile)
+def test_a_plan_file_that_cannot_be_written_is_used_and_never_rewritten(tmp_path, monkeypatch):
+    from slackswap_ds import planfile
 
-    other = StepProfile("other", [Op("x:0:a", 1, 1, "x")], [Activation("x:t", 4, (0,))])
-    Plan.build(other, {"x:t": Decision.KEEP}, budget_bytes=1, hardware_digest="h", planner="t").save(path)
-    with pytest.raises(PlanError, match="does not fit this model's step"):
-        runtime._load_plan(profile)
+    path = tmp_path / "plans.json"
+    _steps({"plan_file": str(path)})
+    before = path.read_bytes()
+    monkeypatch.setattr(planfile, "writable", lambda p: False)  # as for a read-only file (root may write any)
+    runtime = _steps({"plan_file": str(path)}, seqs=(16, 16, 16, 32))  # a new shape: planned, not saved
+    assert len(runtime.shapes) == 2 and path.read_bytes() == before
 
-    good = Plan.build(profile, {a.key: Decision.KEEP for a in profile.activations}, budget_bytes=99,
-                      hardware_digest="h", planner="t")
-    good.save(path)
-    loaded = runtime._load_plan(profile)
-    assert loaded.decision == good.decision and loaded.budget_bytes == 99
+
+def test_bad_paths_fail_when_the_config_loads(tmp_path):
+    from slackswap_ds.config import ConfigError
+
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config({"slackswap": {"plan_file": str(tmp_path / "missing" / "plans.json")}})
+    with pytest.raises(ConfigError, match="a folder, not a file"):
+        load_config({"slackswap": {"trace_file": str(tmp_path)}})
 
 
 def test_plan_file_is_written_then_reused_and_traces_are_written(tmp_path):
@@ -96,7 +155,7 @@ def test_plan_file_is_written_then_reused_and_traces_are_written(tmp_path):
     config["slackswap"].update(plan_file=str(tmp_path / "plan.json"), trace_file=str(tmp_path / "trace.json"))
     _, first = launch(tmp_path, "first", config, 5)
     saved = json.loads((tmp_path / "plan.json").read_text())
-    assert saved["format"] == "slackswap.plan/1"
+    assert saved["format"] == "slackswap.planfile/1" and len(saved["plans"]) == 1
     measured = json.loads((tmp_path / "trace.json").read_text())
     predicted = json.loads((tmp_path / "trace.predicted.json").read_text())
     assert "measured" in measured["otherData"]["title"] and "predicted" in predicted["otherData"]["title"]
@@ -104,8 +163,8 @@ def test_plan_file_is_written_then_reused_and_traces_are_written(tmp_path):
     _, second = launch(tmp_path, "second", config, 4)
     assert "using the plan in plan_file" not in first
     assert f"using the plan in plan_file {tmp_path / 'plan.json'}" in second
-    # the adopted plan has the saved decisions (rebuilt for the new run's own measured profile)
-    assert json.loads((tmp_path / "plan.json").read_text())["decisions"] == saved["decisions"]
+    # the adopted plan was not written again: the file is the first run's
+    assert json.loads((tmp_path / "plan.json").read_text()) == saved
 
 
 class _EngineShim:

@@ -1,0 +1,128 @@
+"""The `plan_file`: saved plans that say what they were made for, so none is reused where it is wrong.
+
+One JSON file holds a plan per input shape. Each entry records what its plan was made for
+(`MadeFor`): the step's input shapes and dtypes, the profile's structure digest (names, bytes and
+regeneration facts of every saved tensor), the budget in bytes, the hardware, the planner, the
+rank's share of its node (link rates, pinned pool) and the world layout. An entry is adopted only if
+every one of these equals the running job's; otherwise the reason is given (each field that differs,
+with both values) and the job plans afresh, or stops if asked to.
+
+Writes are atomic (a temporary file in the same folder, then `os.replace`), so a reader never sees
+half a file, and come from rank 0 only. A file that cannot be written (read-only) is used as it is
+and never rewritten. Torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import InvalidFileError
+from .plan import Plan
+
+FORMAT = "slackswap.planfile/1"
+
+
+@dataclass(frozen=True)
+class MadeFor:
+    """What a plan was made for; equal on every rank of a data-parallel job."""
+
+    inputs: str  # the step's input shapes and dtypes, e.g. "(2, 64) torch.int64; (2, 64) torch.int64"
+    structure: str  # StepProfile.structure_digest
+    budget_bytes: int
+    hardware: str  # "<name> <digest>"
+    planner: str
+    share: str  # the share the plan was made with: "d2h <B/s> h2d <B/s> pool <bytes>"
+    world: str  # "<world size> ranks, <ranks on the node> per node"
+
+    def differences(self, other: "MadeFor") -> list[str]:
+        """The fields that differ, each as `name: <self> here, <other> in the file`."""
+        return [f"{f.name}: {getattr(self, f.name)!r} here, {getattr(other, f.name)!r} in the file"
+                for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "MadeFor":
+        names = [f.name for f in dataclasses.fields(cls)]
+        if not isinstance(d, dict) or any(n not in d for n in names):
+            raise InvalidFileError(f"malformed plan_file entry: \"made_for\" needs the fields {names}")
+        if not isinstance(d["budget_bytes"], int) or not all(isinstance(d[n], str) for n in names if n != "budget_bytes"):
+            raise InvalidFileError("malformed plan_file entry: \"made_for\" has a field of the wrong type")
+        return cls(**{n: d[n] for n in names})
+
+
+@dataclass(frozen=True)
+class Entry:
+    made_for: MadeFor
+    plan: Plan
+
+
+def read(path: str | Path) -> list[Entry]:
+    """Every entry of a plan file ([] if there is none); InvalidFileError if it is not one."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise InvalidFileError(f"cannot read plan_file {str(path)!r}: {e}; delete it to plan afresh") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("plans"), list):
+        raise InvalidFileError(f"{str(path)!r} is not a slackswap plan file (expected a JSON object with \"format\": "
+                               f"\"{FORMAT}\" and a list of \"plans\"); delete it to plan afresh")
+    entries = []
+    for item in data["plans"]:
+        if not isinstance(item, dict):
+            raise InvalidFileError(f"malformed plan_file {str(path)!r}: an entry is not an object")
+        entries.append(Entry(MadeFor.from_json(item.get("made_for", {})), Plan.from_json(item.get("plan"))))
+    return entries
+
+
+def find(entries: list[Entry], made_for: MadeFor) -> tuple[Entry | None, list[str]]:
+    """The entry made for exactly `made_for`; else (None, why the entry for the same input shapes
+    does not fit), or (None, []) when the file has no entry for these shapes yet."""
+    for e in entries:
+        if e.made_for == made_for:
+            return e, []
+    same = next((e for e in entries if e.made_for.inputs == made_for.inputs), None)
+    return None, made_for.differences(same.made_for) if same is not None else []
+
+
+def writable(path: str | Path) -> bool:
+    """Whether `path` can be (re)written: an existing file we may write, or a new file in a
+    folder we may write."""
+    path = Path(path)
+    if path.exists():
+        return os.access(path, os.W_OK)
+    return os.access(path.parent if str(path.parent) else Path("."), os.W_OK)
+
+
+def write(path: str | Path, entries: list[Entry]) -> None:
+    """Write `entries` atomically: readers see the old file or the new one, never a mix."""
+    path = Path(path)
+    data = {"format": FORMAT, "plans": [{"made_for": e.made_for.to_json(), "plan": e.plan.to_json()}
+                                        for e in entries]}
+    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def upsert(entries: list[Entry], entry: Entry) -> list[Entry]:
+    """`entries` with `entry` in place of any entry for the same input shapes."""
+    return [e for e in entries if e.made_for.inputs != entry.made_for.inputs] + [entry]

@@ -1,0 +1,104 @@
+"""plan_file entries: what a plan was made for, refused with the reason when it differs; atomic
+writes; one entry per input shape."""
+
+import json
+import threading
+
+import pytest
+from conftest import two_region_profile
+
+from slackswap_ds import planfile
+from slackswap_ds.errors import InvalidFileError
+from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.planfile import Entry, MadeFor
+
+
+def made_for(**kw) -> MadeFor:
+    base = dict(inputs="(2, 16) torch.int64", structure="s" * 8, budget_bytes=100, hardware="a100 abc",
+                planner="slackswap", share="d2h None h2d None pool None", world="2 ranks, 2 per node")
+    return MadeFor(**{**base, **kw})
+
+
+def a_plan(budget=100) -> Plan:
+    profile = two_region_profile()
+    return Plan.build(profile, {a.key: Decision.KEEP for a in profile.activations}, budget_bytes=budget,
+                      hardware_digest="abc", planner="slackswap")
+
+
+def test_only_an_entry_made_for_exactly_this_job_is_found_and_the_reason_is_given():
+    entries = [Entry(made_for(), a_plan()), Entry(made_for(inputs="(2, 32) torch.int64"), a_plan())]
+    assert planfile.find(entries, made_for()) == (entries[0], [])
+    entry, why = planfile.find(entries, made_for(budget_bytes=50, hardware="h100 def"))
+    assert entry is None
+    assert why == ["budget_bytes: 50 here, 100 in the file", "hardware: 'h100 def' here, 'a100 abc' in the file"]
+    assert planfile.find([], made_for()) == (None, [])
+    assert planfile.find(entries, made_for(inputs="(4, 8) torch.int64")) == (None, [])  # a new shape: no reason
+
+
+def test_round_trip_and_one_entry_per_input_shape(tmp_path):
+    path = tmp_path / "plans.json"
+    assert planfile.read(path) == []
+    first = Entry(made_for(), a_plan())
+    planfile.write(path, planfile.upsert([], first))
+    second = Entry(made_for(inputs="(2, 32) torch.int64"), a_plan(7))
+    entries = planfile.upsert(planfile.read(path), second)
+    replaced = Entry(made_for(budget_bytes=5), a_plan(5))  # the same shapes again: replaces the first
+    planfile.write(path, planfile.upsert(entries, replaced))
+    got = planfile.read(path)
+    assert [(e.made_for, e.plan.digest) for e in got] == [(second.made_for, second.plan.digest),
+                                                          (replaced.made_for, replaced.plan.digest)]
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("text, match", [("{ nope", "cannot read plan_file"),
+                                         ('{"format": "slackswap.plan/1"}', "not a slackswap plan file"),
+                                         ('{"format": "slackswap.planfile/1", "plans": [{"made_for": {}}]}',
+                                          "made_for")])
+def test_a_malformed_file_is_refused_with_the_reason(tmp_path, text, match):
+    path = tmp_path / "plans.json"
+    path.write_text(text)
+    with pytest.raises(InvalidFileError, match=match):
+        planfile.read(path)
+
+
+def test_writes_are_atomic_under_concurrent_writers_and_readers(tmp_path):
+    """Two writers and a reader on one path: the reader always sees a whole file."""
+    path = tmp_path / "plans.json"
+    planfile.write(path, [Entry(made_for(), a_plan())])
+    stop, torn, reads = threading.Event(), [], [0]
+
+    def writer(n):
+        entries = [Entry(made_for(inputs=f"({i},) torch.int64"), a_plan(i)) for i in range(n)]
+        while not stop.is_set():
+            planfile.write(path, entries)
+
+    def reader():
+        while not stop.is_set():
+            try:
+                json.loads(path.read_text())
+                reads[0] += 1
+            except json.JSONDecodeError:
+                torn.append(1)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in (3, 40)] + [threading.Thread(target=reader)]
+    for t in threads:
+        t.start()
+    threading.Event().wait(1.5)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert reads[0] > 50 and torn == []
+
+
+def test_a_read_only_file_is_not_writable(tmp_path):
+    path = tmp_path / "plans.json"
+    planfile.write(path, [Entry(made_for(), a_plan())])
+    path.chmod(0o444)
+    try:
+        import os
+
+        if os.access(path, os.W_OK):  # root ignores the mode
+            pytest.skip("this user can write a read-only file")
+        assert not planfile.writable(path) and planfile.writable(tmp_path / "new.json")
+    finally:
+        path.chmod(0o644)
