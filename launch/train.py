@@ -90,6 +90,10 @@ def main(argv=None) -> int:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    # leave the process group before the interpreter exits: a communication thread still running
+    # during finalization aborts the process ("terminate called without an active exception")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     return 0
 
 

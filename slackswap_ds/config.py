@@ -223,6 +223,14 @@ class SlackSwapConfig(BaseModel):
         'DeepSpeed.',
         json_schema_extra=_doc('"on_shape_change" or "never"', "on_shape_change"),
     )
+    max_shapes: int = Field(
+        32,
+        ge=1,
+        description="At most this many input shapes keep a plan (and its executor); a new shape beyond them "
+        "drops the least recently used one (logged), which is profiled again if it comes back. Variable-length "
+        "batches padded to a few lengths keep this small.",
+        json_schema_extra=_doc("integer >= 1", 32),
+    )
     host_pool_bytes_per_node: int | None = Field(
         None,
         description="Pinned host memory for swapped activations, per node, shared by its ranks: integer "
@@ -282,6 +290,14 @@ class SlackSwapConfig(BaseModel):
         description="Write a measured Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev) of a "
         "planned step to this path. `null`: no trace.",
         json_schema_extra=_doc("path or null", "slackswap-trace.json"),
+    )
+    log_every: int = Field(
+        100,
+        ge=0,
+        description="Every this many planned steps, rank 0 logs the measured step time and peak of saved "
+        "activations beside the plan's prediction, and how many tensors fell back since the last report. "
+        "`0`: never.",
+        json_schema_extra=_doc("integer >= 0", 100),
     )
     log_level: Literal["debug", "info", "warning"] = Field(
         "info",

@@ -26,6 +26,7 @@ deadline (`sync_timeout_s`): a dead or stuck rank is named, never waited on fore
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import os
@@ -49,14 +50,43 @@ log = logging.getLogger("slackswap_ds")
 remember_original()
 
 
+EVERY_RANK = {"every_rank": True}  # `extra=` of a record other ranks log too (what differs on them)
+
+
+class _RankZero(logging.Filter):
+    """On ranks other than 0, only warnings, errors and records marked EVERY_RANK get through:
+    a job of N ranks says things once, and each rank says only where it differs."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+
+
+def _job_rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def _setup_logging(level: str) -> None:
-    """The per-rank plan line must reach the console by default: give our logger a handler if
-    the application configured none."""
+    """Library output goes through the `slackswap_ds` logger, which gets a console handler if the
+    application configured none, and says things once per job (`_RankZero`)."""
     log.setLevel(level.upper())
     if not log.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         log.addHandler(handler)
+    for f in [f for f in log.filters if isinstance(f, _RankZero)]:
+        log.removeFilter(f)
+    log.addFilter(_RankZero(_job_rank()))
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
@@ -122,6 +152,8 @@ class _ShapeState:
     plan: Plan | None = None
     executor: Any = None
     predicted_throughput: float = float("nan")
+    predicted_step_s: float = float("nan")
+    predicted_peak: int = 0
 
 
 @dataclass
@@ -131,7 +163,7 @@ class SlackSwapRuntime:
     engine: Any
     cfg: SlackSwapConfig
     steps: int = 0
-    shapes: dict = field(default_factory=dict)
+    shapes: "collections.OrderedDict" = field(default_factory=lambda: collections.OrderedDict())  # LRU last
     active: Any = None  # the context (tracer or executor) entered for the current step
     active_key: tuple | None = None
     last_stats: Any = None  # StepStats of the last step run under a plan
@@ -143,6 +175,8 @@ class SlackSwapRuntime:
     mpi_node: int | None = None  # this rank's node by MPI shared memory (MPI launches only)
     pool: Any = None  # one HostPool for every shape's executor
     node_ranks: int = 1  # ranks on this rank's node (from the node facts)
+    rank0_share: Any = None  # rank 0's Share (a rank logs its plan line only where its own differs)
+    report: dict = field(default_factory=dict)  # since the last log_every report: steps, seconds, peak, fallbacks
 
     def attach(self) -> None:
         engine = self.engine
@@ -189,6 +223,10 @@ class SlackSwapRuntime:
             return
         if state is None and self.shapes and self.cfg.replan == "never":
             return  # shapes changed, no re-planning: plain steps for these shapes
+        if state is None:
+            self._make_room()
+        else:
+            self.shapes.move_to_end(key)
         if state is None or state.executor is None:
             from .runtime.profiler import ProfileSession
 
@@ -200,6 +238,18 @@ class SlackSwapRuntime:
             self.active, self.active_key = state.executor, key
         # (checkpoint calls inside the model run inline under both: see runtime/takeover.py)
         self.active.__enter__()
+
+    def _make_room(self) -> None:
+        """Before a new shape: keep at most `max_shapes - 1` others, dropping the least recently used."""
+        dropped = []
+        while len(self.shapes) >= self.cfg.max_shapes:
+            key, _ = self.shapes.popitem(last=False)
+            dropped.append([s for s, _ in key])
+        if dropped:
+            freed = self.pool.trim() if self.pool is not None else 0
+            log.info("slackswap: max_shapes=%d plans kept; dropped the least recently used (input shapes %s; "
+                     "%s B of pinned host memory freed); they are profiled again if they come back",
+                     self.cfg.max_shapes, dropped, f"{freed:,}")
 
     def _after_backward(self) -> None:
         ctx, key = self.active, self.active_key
@@ -213,6 +263,7 @@ class SlackSwapRuntime:
         else:
             self.last_stats = state.executor.stats.last_step
             self.active_plan = state.plan
+            self._report(state, self.last_stats)
             timeline = state.executor.stats.last_timeline
             if timeline is not None and state.executor.record:
                 from .report import write_trace
@@ -220,6 +271,30 @@ class SlackSwapRuntime:
                 state.executor.record = False  # one measured step is enough
                 write_trace(timeline, self._trace_path("measured"), budget_bytes=state.plan.budget_bytes,
                             title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
+
+    def _report(self, state: _ShapeState, stats) -> None:
+        """Every `log_every` planned steps (rank 0): measured against predicted, and fallbacks."""
+        import time
+
+        now = time.perf_counter()
+        r = self.report
+        if "since" not in r:
+            r.update(since=now, steps=0, peak=0, fallbacks={})
+        r["steps"] += 1
+        r["peak"] = max(r["peak"], stats.peak_device_bytes)
+        for why, n in stats.fallbacks.items():
+            r["fallbacks"][why] = r["fallbacks"].get(why, 0) + n
+        if not self.cfg.log_every or r["steps"] < self.cfg.log_every:
+            return
+        seconds = (now - r["since"]) / r["steps"]
+        log.info("slackswap: last %d planned steps: %.1f ms per step (wall clock, optimizer included; the plan "
+                 "predicts %.1f ms for forward and backward on %s), peak of saved activations %s B (predicted %s B, "
+                 "budget %s B)", r["steps"], 1e3 * seconds, 1e3 * state.predicted_step_s, self.hw.name,
+                 f"{r['peak']:,}", f"{state.predicted_peak:,}", f"{state.plan.budget_bytes:,}")
+        if r["fallbacks"]:
+            log.warning("slackswap: in the last %d steps, saved tensors kept instead of planned: %s", r["steps"],
+                        ", ".join(f"{n} x {why}" for why, n in sorted(r["fallbacks"].items())))
+        self.report = {}
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
     def _make_plan(self, state: _ShapeState, local: StepProfile, key: tuple) -> None:
@@ -255,15 +330,21 @@ class SlackSwapRuntime:
 
         ideal = keep_all_result(profile, self.hw).step_s
         state.predicted_throughput = ideal / sim.step_s if sim.step_s else 1.0
+        state.predicted_step_s, state.predicted_peak = sim.step_s, sim.peak_bytes
         split = plan.bytes_by_decision(profile)
-        log.info(
-            "slackswap rank %d: budget %s B of %s B keep-all; keep %s B, swap %s B, recompute %s B; "
-            "planner %s on %s (link share D2H %.1f / H2D %.1f GB/s) predicts %.1f%% of ideal throughput; "
-            "plan %s agreed over %s",
-            rank, f"{plan.budget_bytes:,}", f"{profile.total_bytes:,}", f"{split[Decision.KEEP]:,}",
-            f"{split[Decision.SWAP]:,}", f"{split[Decision.RECOMPUTE]:,}", plan.planner, self.hw.name,
-            rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, 100 * state.predicted_throughput, plan.digest[:12],
-            self._via())
+        if rank == 0:
+            log.info(
+                "slackswap rank 0: budget %s B of %s B keep-all; keep %s B, swap %s B, recompute %s B; "
+                "planner %s on %s (link share D2H %.1f / H2D %.1f GB/s) predicts %.1f%% of ideal throughput; "
+                "plan %s agreed over %s by %d ranks", f"{plan.budget_bytes:,}", f"{profile.total_bytes:,}",
+                f"{split[Decision.KEEP]:,}", f"{split[Decision.SWAP]:,}", f"{split[Decision.RECOMPUTE]:,}",
+                plan.planner, self.hw.name, rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9,
+                100 * state.predicted_throughput, plan.digest[:12], self._via(), channel.world)
+        elif self.share != self.rank0_share:  # the same plan; what differs on this rank
+            log.info("slackswap rank %d: plan %s with this rank's link share D2H %.1f / H2D %.1f GB/s and pool %s "
+                     "(rank 0 differs) predicts %.1f%% of ideal throughput", rank, plan.digest[:12],
+                     rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, self.share.host_pool_bytes,
+                     100 * state.predicted_throughput, extra=EVERY_RANK)
         if self.cfg.trace_file and rank == 0:
             from .report import write_trace
 
@@ -424,7 +505,7 @@ class SlackSwapRuntime:
         everyone = [RankFacts.from_json(b) for b in exchange(channel, "facts", facts.to_json(), self.cfg.sync_timeout_s,
                                                               "node facts (node, uplink, demand)")]
         shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node)
-        self.share, self.plan_share = shares[channel.rank], tightest(shares)
+        self.share, self.plan_share, self.rank0_share = shares[channel.rank], tightest(shares), shares[0]
         node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
         self.node_ranks = len(node_ranks)
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,

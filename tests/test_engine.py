@@ -51,11 +51,13 @@ def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(tmp_path, 
     losses_on, log_on = launch(tmp_path, "on", on, steps)
     losses_off, log_off = launch(tmp_path, "off", off, steps)
     assert len(losses_on) == steps and losses_on == losses_off
-    # one plan line per rank, the same plan on both, agreed over torch.distributed (no MPI launcher)
-    plans = re.findall(r"slackswap rank (\d): .* plan ([0-9a-f]{12}) agreed over torch.distributed", log_on)
-    assert sorted(r for r, _ in plans) == ["0", "1"] and len({d for _, d in plans}) == 1
+    # one plan line for the job (rank 0's: the ranks' shares are equal, so rank 1 has nothing to add),
+    # agreed by both ranks over torch.distributed (no MPI launcher)
+    plans = re.findall(r"slackswap rank (\d): .* plan ([0-9a-f]{12}) agreed over torch.distributed by 2 ranks", log_on)
+    assert [r for r, _ in plans] == ["0"] and "slackswap rank 1" not in log_on
     shares = re.findall(r"link share D2H ([\d.]+) / H2D ([\d.]+) GB/s", log_on)
-    assert shares == [("12.5", "12.5")] * 2 if stage == 1 else len(shares) == 2
+    assert shares == [("12.5", "12.5")] if stage == 1 else len(shares) == 1
+    assert log_on.count("profiling a step of input shapes") == 1
     measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
     profile_steps = on["slackswap"]["profile_steps"]
     assert len(measured) == steps - profile_steps - 1  # the step after the safe ones is profiled
@@ -202,6 +204,7 @@ def test_new_input_shapes_are_profiled_and_planned_on_their_own():
     for seq in (16, 16, 16, 32, 32, 16):
         one(seq)
     assert len(runtime.shapes) == 2
+    assert list(runtime.shapes)[-1][0][0] == (2, 16)  # the most recently used shape is last
     plans = {key: state.plan for key, state in runtime.shapes.items()}
     assert all(p is not None for p in plans.values())
     short, long = sorted(plans.values(), key=lambda p: p.budget_bytes)
@@ -293,3 +296,41 @@ def test_initialize_takes_over_caches_and_checkpointing_exactly_within_budget(si
     messages = [r.getMessage() for r in caplog.records]
     assert sum("use_cache turned off" in m for m in messages) == 1
     assert sum("torch.utils.checkpoint" in m for m in messages) == (mode == "checkpointing")
+
+
+def test_every_log_every_steps_rank_0_reports_measured_against_predicted(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        _steps({"log_every": 2, "activation_budget": 0.5}, seqs=(16,) * 6)
+    reports = [r.getMessage() for r in caplog.records if "planned steps:" in r.getMessage()]
+    # step 1 is plain, step 2 profiled; steps 3-6 are planned: two reports of two steps each
+    assert len(reports) == 2 and all("last 2 planned steps" in m and "predicted" in m and "budget" in m
+                                     for m in reports)
+
+
+def test_other_ranks_say_only_what_differs():
+    import logging
+
+    from slackswap_ds.engine import EVERY_RANK, _RankZero
+
+    def passes(rank, level, extra=None):
+        record = logging.LogRecord("slackswap_ds", level, __file__, 1, "m", (), None)
+        for k, v in (extra or {}).items():
+            setattr(record, k, v)
+        return _RankZero(rank).filter(record)
+
+    assert passes(0, logging.INFO) and not passes(1, logging.INFO) and not passes(3, logging.DEBUG)
+    assert passes(1, logging.WARNING) and passes(1, logging.INFO, EVERY_RANK)
+
+
+def test_at_most_max_shapes_plans_are_kept_least_recently_used_first_out(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        runtime = _steps({"max_shapes": 2}, seqs=(16, 16, 24, 16, 32, 16, 24))
+    assert [key[0][0][1] for key in runtime.shapes] == [16, 24]  # 32 pushed 24 out; 24 came back, pushing 32
+    drops = [r.getMessage() for r in caplog.records if "max_shapes=2" in r.getMessage()]
+    assert len(drops) == 2 and "[(2, 24), (2, 24)]" in drops[0] and "[(2, 32), (2, 32)]" in drops[1]
+    profiled = [r.getMessage() for r in caplog.records if "profiling a step" in r.getMessage()]
+    assert len(profiled) == 4  # 16, 24, 32, and 24 again

@@ -40,6 +40,11 @@ def batch(i: int) -> torch.Tensor:
 
 
 def write_losses(path: str, losses: list[float]) -> None:
+    """Rank 0 writes the losses; then every rank leaves the process group (a communication thread
+    still running while the interpreter exits aborts the process)."""
     if int(os.environ.get("RANK", "0")) == 0:
         with open(path, "w") as f:
             json.dump(losses, f)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
