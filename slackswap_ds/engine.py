@@ -356,11 +356,11 @@ class SlackSwapRuntime:
     def _replan(self, profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
         """After the verifying step demoted tensors: this rank plans again, locally, with its share
         (a nondeterministic kernel may misbehave on one rank only; ranks may then differ, logged)."""
-        from .planners import get_planner
+        from .planners import PLANNERS, get_planner
 
         pinned = profile.without_recompute(failures)
-        new = get_planner(plan.planner if plan.planner in _known_planners() else self.cfg.planner)(
-            pinned, self.hw, plan.budget_bytes, self.plan_share)
+        planner = PLANNERS.get(plan.planner) or get_planner(self.cfg.planner)
+        new = planner(pinned, self.hw, plan.budget_bytes, self.plan_share)
         return pinned, self._fit_to_device(pinned, new)
 
     def _fit_to_device(self, profile: StepProfile, plan: Plan) -> Plan:
@@ -421,9 +421,7 @@ class SlackSwapRuntime:
         except PlanError as e:
             raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
         log.info("slackswap: using the plan in plan_file %s (%s)", path, plan.digest[:12])
-        return Plan.build(profile, plan.decision, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
-                          planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
-                          blocking=plan.blocking)
+        return plan.rebuilt(profile)
 
     def _save_plan(self, made_for, plan: Plan) -> None:
         """Add the plan to plan_file (atomically; rank 0 only); a read-only file is left as it is."""
@@ -510,12 +508,6 @@ class SlackSwapRuntime:
         self.node_ranks = len(node_ranks)
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
                   facts.node, node_ranks, facts.uplink, self.topology.source, self.share, self.plan_share)
-
-
-def _known_planners() -> set[str]:
-    from .planners import PLANNERS
-
-    return set(PLANNERS)
 
 
 def _has_mpi4py() -> bool:

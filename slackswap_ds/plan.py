@@ -90,6 +90,16 @@ class Plan:
         plan.check(profile)
         return plan
 
+    def rebuilt(self, profile: StepProfile, decisions: Mapping[str, Decision] | None = None,
+                prefetch: Mapping[str, str] | None = None) -> "Plan":
+        """This plan for `profile` (the same step measured again, or a profile with some tensors made
+        unrecomputable), with `decisions` or `prefetch` replaced where given; budget, hardware,
+        planner and blocking kept. Checked like any plan."""
+        return Plan.build(profile, self.decision if decisions is None else decisions, budget_bytes=self.budget_bytes,
+                          hardware_digest=self.hardware_digest, planner=self.planner,
+                          planner_version=self.planner_version,
+                          prefetch=self.trigger if prefetch is None else prefetch, blocking=self.blocking)
+
     @cached_property
     def decision(self) -> dict[str, Decision]:
         return dict(self.decisions)

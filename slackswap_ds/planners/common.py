@@ -214,7 +214,4 @@ def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = 
         return plan
     if simulate(lower(profile, plan), share.limit(hw), budget_bytes=plan.budget_bytes, record=False).feasible:
         return plan
-    triggers = alap_triggers(profile, dict(plan.decision), hw, share)
-    return Plan.build(profile, plan.decision, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
-                      planner=plan.planner, planner_version=plan.planner_version, prefetch=triggers,
-                      blocking=plan.blocking)
+    return plan.rebuilt(profile, prefetch=alap_triggers(profile, dict(plan.decision), hw, share))

@@ -20,7 +20,7 @@ is one entry. Autograd gets a small holder instead of the tensor:
 
 Anything that does not match the Schedule (a tensor the profile did not see, another size, a
 recompute outside its layer call, a full host pool) is kept, counted in `stats.fallbacks` and
-logged once per step: a plan can cost memory, never correctness.
+warned once per kind of fallback: a plan can cost memory, never correctness.
 
 Unpack (backward). Backward's position is the first reader (profile op index) of the entries it
 unpacks; when it passes a COPY_IN's trigger op the prefetch is issued, and when it enters a layer
@@ -298,7 +298,7 @@ class Executor:
     @property
     def pool(self) -> HostPool:
         if self._pool is None:
-            self._pool = HostPool(None, self._device or Device.of(torch.device(self._device_type)))
+            self._pool = self._unbounded_pool()
         return self._pool
 
     @property
@@ -306,8 +306,11 @@ class Executor:
         """Host memory for a verifying step's originals: apart from the plan's pool, whose budget is
         sized for its swaps (trimmed after that step)."""
         if self._verify_pool is None:
-            self._verify_pool = HostPool(None, self._device or Device.of(torch.device(self._device_type)))
+            self._verify_pool = self._unbounded_pool()
         return self._verify_pool
+
+    def _unbounded_pool(self) -> HostPool:
+        return HostPool(None, self._device or Device.of(torch.device(self._device_type)))
 
     # ---- context ------------------------------------------------------------------------------
     def __enter__(self) -> RunStats:
@@ -491,7 +494,7 @@ class Executor:
     def _hold_arguments(self, step: _Step, call: CallRecord) -> None:
         """A replay calls the layer again with its arguments: those the step saved are held through
         their entries (pinned until the replay; a swapped input must not stay on the device)."""
-        live = [e for e in call.targets.values() if e.decision is Decision.RECOMPUTE]
+        live = len(call.targets)  # (only RECOMPUTE entries are targets)
         if not live:  # nothing to replay: nothing to hold
             call.args, call.versions, call.done = None, [], True
             return
@@ -506,7 +509,7 @@ class Executor:
             else:
                 held.append(a)
         call.args = (held, spec)
-        call.live = len(live)
+        call.live = live
 
     def _recorded_output(self, call: CallRecord, k: int, n: int, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -982,6 +985,4 @@ def swap_instead(profile: StepProfile, plan: Plan, failures: dict[str, str]) -> 
     decisions = dict(plan.decision)
     for key in failures:
         decisions[key] = Decision.SWAP
-    return pinned, Plan.build(pinned, decisions, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
-                              planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
-                              blocking=plan.blocking)
+    return pinned, plan.rebuilt(pinned, decisions)

@@ -162,8 +162,12 @@ class _Regeneration:
             self.region_ops.setdefault(o.region, []).append(o.index)
         self._runs: dict[str, dict[int, bool]] = {}
 
+    def writers(self, save: TracedSave) -> list[int]:
+        """The ops that wrote the saved storage before it was saved (its maker, then in place)."""
+        return [w for w in self.tracer.storages[save.sid].writers if w < save.ops_before]
+
     def final_writer(self, save: TracedSave) -> int | None:
-        writers = [w for w in self.tracer.storages[save.sid].writers if w < save.ops_before]
+        writers = self.writers(save)
         return writers[-1] if writers else None
 
     def runs(self, region: str) -> dict[int, bool]:
@@ -187,7 +191,7 @@ class _Regeneration:
         if is_gap(region) or st.producer is None:
             return (), ()
         ops = tracer.ops
-        writers = [w for w in st.writers if w < save.ops_before]
+        writers = self.writers(save)
         if not writers or any(ops[w].region != region for w in writers):
             return (), ()  # made (or last written) outside its layer call
         last = writers[-1]

@@ -1,6 +1,5 @@
 """Hugging Face's Trainer with `deepspeed=<json>` (it calls deepspeed.initialize through Accelerate)."""
 
-import os
 import tempfile
 
 import torch
