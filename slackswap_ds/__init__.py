@@ -11,7 +11,7 @@ from .plan import Decision, Plan
 from .profile import StepProfile
 
 __all__ = ["Decision", "Hardware", "Node", "Plan", "StepProfile", "apply", "initialize", "install", "uninstall",
-           "load_hardware", "load_node", "plan", "profile_step"]
+           "load_hardware", "load_node", "pad_to_multiple", "plan", "profile_step"]
 
 
 def plan(profile: StepProfile, hardware: str | Hardware = "a100-80g-pcie4", budget: float | int = 0.5, *,
@@ -37,6 +37,10 @@ def __getattr__(name: str):
         from .engine import initialize
 
         return initialize
+    if name == "pad_to_multiple":
+        from .bucketing import pad_to_multiple
+
+        return pad_to_multiple
     if name in ("install", "uninstall"):
         from . import routing as module
 

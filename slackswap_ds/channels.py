@@ -6,13 +6,16 @@ Neither blocks: a rank that is gone is simply never heard from, and the protocol
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 import zlib
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .agreement import AgreementError
 
 _TAG_BASE, _TAG_SPAN = 7000, 20000  # MPI tags of our messages: MPI guarantees tags up to 32767
+_TAG_SHOUT = _TAG_BASE - 1  # below every message tag: a shout never matches a message
 
 
 class MpiChannel:
@@ -26,36 +29,93 @@ class MpiChannel:
         self.comm = comm or MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         self._sends: list = []  # (request, buffer): the buffer must live until the send completes
-        self._abandoned: list = []  # cancelled sends: MPI may still read their buffers
+        self._abandoned: list = []  # sends to ranks that never received them
+        self._heard: tuple[int, bytes] | None = None
 
     @staticmethod
     def tag(name: str) -> int:
         return _TAG_BASE + zlib.crc32(name.encode()) % _TAG_SPAN
 
     def post(self, name: str, data: bytes, to: Sequence[int]) -> None:
+        self._send(data, to, self.tag(name))
+
+    def _send(self, data: bytes, to: Sequence[int], tag: int) -> None:
         buf = bytearray(data)
         for r in to:
-            self._sends.append((self.comm.Isend([buf, self.mpi.BYTE], dest=r, tag=self.tag(name)), buf))
+            self._sends.append((self.comm.Isend([buf, self.mpi.BYTE], dest=r, tag=tag), buf))
 
     def poll(self, name: str, sender: int) -> bytes | None:
+        return self._receive(sender, self.tag(name))
+
+    def _receive(self, sender: int, tag: int) -> bytes | None:
         status = self.mpi.Status()
-        if not self.comm.Iprobe(source=sender, tag=self.tag(name), status=status):
+        if not self.comm.Iprobe(source=sender, tag=tag, status=status):
             return None
         buf = bytearray(status.Get_count(self.mpi.BYTE))
-        self.comm.Recv([buf, self.mpi.BYTE], source=sender, tag=self.tag(name))
+        self.comm.Recv([buf, self.mpi.BYTE], source=status.Get_source(), tag=tag)
         return bytes(buf)
+
+    def shout(self, data: bytes) -> None:
+        self._send(data, [r for r in range(self.world) if r != self.rank], _TAG_SHOUT)
+
+    def hear(self) -> tuple[int, bytes] | None:
+        if self._heard is None:
+            status = self.mpi.Status()
+            if self.comm.Iprobe(source=self.mpi.ANY_SOURCE, tag=_TAG_SHOUT, status=status):
+                sender = status.Get_source()
+                self._heard = (sender, self._receive(sender, _TAG_SHOUT) or b"")
+        return self._heard
 
     def finish(self, deadline: float) -> None:
         while self._sends and time.monotonic() < deadline:
             self._sends = [(q, b) for q, b in self._sends if not q.Test()]
             time.sleep(0.001)
-        for q, _ in self._sends:  # the receiver is gone or stuck: do not wait for it
-            q.Cancel()
-        # a cancel may fail (a late receiver matched the send first), and MPI reads the buffer
-        # until the request completes: keep request and buffer for the channel's life, since
-        # freeing them would hand a late receiver garbage
+        # the receiver is gone or stuck. Never MPI_Cancel these: cancelling a send that a receiver
+        # has already matched crashes MPICH 5.0 (segfault in MPI_Cancel). MPI may read a buffer
+        # until its request completes, so request and buffer are kept for the channel's life
         self._abandoned += self._sends
         self._sends = []
+
+
+class StoreSilent(AgreementError):
+    """The torch.distributed store did not answer in time: its host (rank 0's process) is stopped
+    or unreachable."""
+
+
+class _BoundedCalls:
+    """Store calls on one worker thread, each waited for at most `silence_s`. A TCPStore call
+    blocks while the process that hosts the store is stopped, whatever the store's own timeout
+    (`set_timeout` does not bound `check`: tried with SIGSTOP on torch 2.13), so a call that does
+    not return in time is abandoned on its daemon thread, which then never serves again."""
+
+    def __init__(self, silence_s: float):
+        self.silence_s = silence_s
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._silent = False
+        threading.Thread(target=self._serve, name="slackswap-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            call, result, done = self._jobs.get()
+            try:
+                result.append((True, call()))
+            except BaseException as e:  # handed to the caller, which re-raises it
+                result.append((False, e))
+            done.set()
+
+    def __call__(self, call: Callable):
+        if self._silent:
+            return None, False
+        result: list = []
+        done = threading.Event()
+        self._jobs.put((call, result, done))
+        if not done.wait(self.silence_s):
+            self._silent = True
+            return None, False
+        ok, value = result[0]
+        if not ok:
+            raise value
+        return value, True
 
 
 class StoreChannel:
@@ -63,7 +123,13 @@ class StoreChannel:
     is one call of the protocol; every rank counts rounds the same way, since every rank runs the
     same sequence of exchanges and agreements (one each per new input shape). Rank 0 deletes a
     round's keys when it ends: by then it has read every other rank's, and every rank that
-    acknowledged has read its own, so the store does not grow with each shape."""
+    acknowledged has read its own, so the store does not grow with each shape.
+
+    Every store call waits at most `silence_s`: the store lives in rank 0's process (in a thread
+    of its own, so a busy rank 0 still answers in milliseconds); silence for that long means the
+    process is stopped or unreachable, and it is named (`StoreSilent`)."""
+
+    silence_s = 2.0
 
     def __init__(self, store=None, rank: int | None = None, world: int | None = None, prefix: str = "slackswap"):
         import torch.distributed as dist
@@ -77,39 +143,60 @@ class StoreChannel:
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
         self._keys: list[str] = []  # this round's keys this rank wrote or read
+        self._calls = _BoundedCalls(self.silence_s)
+        self._heard: tuple[int, bytes] | None = None
 
     def _key(self, name: str, sender: int) -> str:
         return f"{self.prefix}/{self.round}/{name}/{sender}"
 
+    def _call(self, call: Callable):
+        try:
+            value, answered = self._calls(call)
+        except RuntimeError as e:  # the store's host process is gone (connection refused or reset)
+            raise AgreementError(f"rank {self.rank}: lost the torch.distributed store ({e}); "
+                                 f"rank 0, whose process hosts it, exited") from e
+        if not answered:
+            raise StoreSilent(f"rank {self.rank}: the torch.distributed store did not answer for "
+                              f"{self.silence_s:g} s: rank 0, whose process hosts it, is stopped or unreachable")
+        return value
+
     def post(self, name: str, data: bytes, to: Sequence[int]) -> None:
         key = self._key(name, self.rank)
-        try:
-            self.store.set(key, data)
-        except RuntimeError as e:
-            raise self._lost(e) from e
+        self._call(lambda: self.store.set(key, data))
         self._keys.append(key)
 
     def poll(self, name: str, sender: int) -> bytes | None:
         key = self._key(name, sender)
-        try:
-            if not self.store.check([key]):
-                return None
-            data = self.store.get(key)
-        except RuntimeError as e:
-            raise self._lost(e) from e
-        self._keys.append(key)
+        data = self._call(lambda: self.store.get(key) if self.store.check([key]) else None)
+        if data is not None:
+            self._keys.append(key)
         return data
 
-    def _lost(self, e: RuntimeError) -> AgreementError:
-        # the store lives in rank 0's process (TCPStore): it is gone
-        return AgreementError(f"rank {self.rank}: lost the torch.distributed store ({e}); rank 0 exited?")
+    def present(self, name: str) -> list[int]:
+        """The ranks whose message `name` of this round is in the store."""
+        keys = [self._key(name, r) for r in range(self.world)]
+        return self._call(lambda: [r for r, k in enumerate(keys) if self.store.check([k])])
+
+    def shout(self, data: bytes) -> None:
+        # the first shout of the job wins (an atomic counter); a later one has nothing to add
+        first = f"{self.prefix}/shout"
+        self._call(lambda: self.store.add(first + "s", 1) == 1 and self.store.set(first, f"{self.rank}\n".encode() + data))
+
+    def hear(self) -> tuple[int, bytes] | None:
+        if self._heard is None:
+            key = f"{self.prefix}/shout"
+            data = self._call(lambda: self.store.get(key) if self.store.check([key]) else None)
+            if data is not None:
+                sender, _, text = data.partition(b"\n")
+                self._heard = (int(sender), text)
+        return self._heard
 
     def finish(self, deadline: float) -> None:
         if self.rank == 0:
             for key in self._keys:
                 try:
-                    self.store.delete_key(key)
-                except RuntimeError:  # best effort: a leftover key only costs store memory
-                    pass
+                    self._call(lambda: self.store.delete_key(key))
+                except AgreementError:  # best effort: a leftover key only costs store memory
+                    break
         self._keys = []
         self.round += 1

@@ -228,8 +228,18 @@ class SlackSwapConfig(BaseModel):
         ge=1,
         description="At most this many input shapes keep a plan (and its executor); a new shape beyond them "
         "drops the least recently used one (logged), which is profiled again if it comes back. Variable-length "
-        "batches padded to a few lengths keep this small.",
+        "batches padded to a few lengths keep this small (`pad_to_multiple`).",
         json_schema_extra=_doc("integer >= 1", 32),
+    )
+    pad_to_multiple: int | None = Field(
+        None,
+        ge=1,
+        description="Bucketing of variable-length batches: each training forward's keyword inputs are padded "
+        "to the next multiple of this along the sequence dimension (`attention_mask` 0, `labels` -100, ids 0; "
+        "an `attention_mask` is added if missing; any other tensor of the sequence length is refused), so that "
+        "few input shapes are planned. The loss is the unpadded one up to rounding; outputs have the padded "
+        "length. In your own collator: `slackswap_ds.pad_to_multiple`. `null`: inputs as they come.",
+        json_schema_extra=_doc("integer >= 1 or null", 64),
     )
     host_pool_bytes_per_node: int | None = Field(
         None,
@@ -281,8 +291,9 @@ class SlackSwapConfig(BaseModel):
         gt=0,
         allow_inf_nan=False,
         description="Seconds to wait for every rank at each exchange before planning and at plan agreement: "
-        "ranks that have not arrived by then are named in an error (`AgreementError`) on every rank; when rank 0 "
-        "itself dies mid-agreement, the others raise within twice this.",
+        "ranks that have not arrived by then (dead, stopped, or planning another input shape) are named in an "
+        "error (`AgreementError`) on every surviving rank, each within this + 5 s; the others hear the first "
+        "rank's reason at once, and the job exits with status 1 without waiting for the missing ranks.",
         json_schema_extra=_doc("number > 0", 300),
     )
     trace_file: str | None = Field(

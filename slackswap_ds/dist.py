@@ -4,7 +4,7 @@ PCIe uplinks and pinned pool, and the one Share a plan for every replica must fi
 Ranks on one node are grouped by MPI (`COMM_TYPE_SHARED`) under MPI launchers, by host name over
 torch.distributed otherwise, or by `ranks_per_node` (consecutive ranks; for tests and launchers that
 run several "nodes" on one host). Before planning, the ranks exchange their `RankFacts` (node, host
-uplink, demand) through rank 0 with `agreement.exchange`; every rank then computes every rank's
+uplink, demand, and the step they plan, so replicas on other shapes are named at once) through rank 0 with `agreement.exchange`; every rank then computes every rank's
 Share the same way (`shares_of`), and rank 0 plans with the tightest of them (`tightest`), so the
 one plan of the data-parallel replicas fits each of their links and pools.
 """
@@ -28,6 +28,7 @@ class RankFacts:
     node: str  # ranks with equal `node` share host memory and switches
     uplink: int  # its GPU's host uplink on that node (topology.Topology.uplink_of)
     demand: int  # bytes it may want to pin: its activations above the budget
+    step: str = ""  # the step it plans: input shapes and profile structure (replicas' must be equal)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -35,7 +36,7 @@ class RankFacts:
     @classmethod
     def from_json(cls, text: str) -> "RankFacts":
         d = json.loads(text)
-        return cls(str(d["node"]), int(d["uplink"]), int(d["demand"]))
+        return cls(str(d["node"]), int(d["uplink"]), int(d["demand"]), str(d.get("step", "")))
 
 
 @dataclass(frozen=True)

@@ -127,6 +127,11 @@ def _shape_key(args: tuple, kwargs: dict) -> tuple:
     return tuple((tuple(t.shape), str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor))
 
 
+def _inputs(key: tuple) -> str:
+    """A shape key as people read it: `(2, 64) torch.int64; (2, 64) torch.int64`."""
+    return "; ".join(f"{tuple(shape)} {dtype}" for shape, dtype in key)
+
+
 def resolve_hardware(name: str) -> Hardware:
     """A preset, a path, or "auto": the preset of the CUDA device in use (A100/H100/H200/GH200);
     without one, a100-80g-pcie4 (logged)."""
@@ -185,9 +190,12 @@ class SlackSwapRuntime:
         self.topology, self.uplink_bps = self._topology()
         self.sync = self.cfg.sync
         if self.sync == "auto":
-            # MPI when the job was launched by an MPI launcher (MPICH/Hydra or Open MPI set these)
-            launched = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"))
-            self.sync = "mpi" if launched and _has_mpi4py() else "torch"
+            self.sync = "mpi" if _mpi_launched() and _has_mpi4py() else "torch"
+        elif self.sync == "mpi" and not _mpi_launched():
+            # each process would init MPI alone, call itself rank 0 of 1, plan alone and take the whole pool
+            raise AgreementError('"sync": "mpi" needs a job launched by MPI (mpirun / mpiexec, srun --mpi, or '
+                                 'deepspeed --launcher mpich / openmpi), and this process was not (none of '
+                                 f'{", ".join(_MPI_LAUNCH_VARS)} is set); use "sync": "auto" or "torch"')
         if self.sync == "mpi" and not self.cfg.ranks_per_node:
             from .dist import node_layout
 
@@ -197,6 +205,7 @@ class SlackSwapRuntime:
         forward, backward = engine.forward, engine.backward
 
         def slackswap_forward(*args, **kwargs):
+            kwargs = self._bucketed(args, kwargs)
             self._before_forward(args, kwargs)
             return forward(*args, **kwargs)
 
@@ -239,6 +248,21 @@ class SlackSwapRuntime:
         # (checkpoint calls inside the model run inline under both: see runtime/takeover.py)
         self.active.__enter__()
 
+    def _bucketed(self, args: tuple, kwargs: dict) -> dict:
+        """A training forward's keyword inputs padded to `pad_to_multiple` (bucketing.py)."""
+        multiple = self.cfg.pad_to_multiple
+        if not multiple or not torch.is_grad_enabled() or not self.module.training:
+            return kwargs
+        if any(isinstance(a, torch.Tensor) for a in args):
+            from .bucketing import BucketingError
+
+            raise BucketingError("pad_to_multiple pads keyword inputs (engine(input_ids=..., labels=...)); this "
+                                 "forward got positional tensors, whose meaning is unknown: pass them by name, or "
+                                 "pad in your collator and drop pad_to_multiple")
+        from .bucketing import pad_to_multiple
+
+        return pad_to_multiple(kwargs, multiple)
+
     def _make_room(self) -> None:
         """Before a new shape: keep at most `max_shapes - 1` others, dropping the least recently used."""
         dropped = []
@@ -259,7 +283,11 @@ class SlackSwapRuntime:
         ctx.__exit__(None, None, None)
         state = self.shapes[key]
         if state.executor is None:
-            self._make_plan(state, ctx.profile(type(self.module).__name__), key)
+            try:
+                self._make_plan(state, ctx.profile(type(self.module).__name__), key)
+            except Exception as e:
+                self._give_up(e)
+                raise
         else:
             self.last_stats = state.executor.stats.last_step
             self.active_plan = state.plan
@@ -299,20 +327,18 @@ class SlackSwapRuntime:
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
     def _make_plan(self, state: _ShapeState, local: StepProfile, key: tuple) -> None:
         from .agreement import agree
-        from .planners import get_planner
         from .runtime.executor import apply
 
         channel = self._channel()
         rank = channel.rank
         budget = self.cfg.budget_for(local.total_bytes)
-        self._coordinate(channel, local, budget)
+        self._coordinate(channel, local, budget, key)
         plan = None
         if rank == 0:
             made_for = self._made_for(local, budget, channel.world, key)
             plan = self._load_plan(local, made_for)
             if plan is None:
-                plan = get_planner(self.cfg.planner)(local, self.hw, budget, self.plan_share)
-                plan = self._fit_to_device(local, plan)
+                plan = self._fit_to_device(local, self._plan_within(local, budget, self.cfg.planner))
                 self._save_plan(made_for, plan)
         profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
         state.profile, state.plan = profile, plan
@@ -353,15 +379,65 @@ class SlackSwapRuntime:
                         budget_bytes=plan.budget_bytes)
             state.executor.record = True
 
+    def _give_up(self, error: Exception) -> None:
+        """This rank cannot plan the step: the job stops, since its replicas cannot run one plan.
+        The others hear why at once (agreement.give_up) instead of waiting out their deadline;
+        this rank lingers a moment so that they can say so before a launcher tears the job down;
+        and the process will exit without waiting for its peers (MPI_Finalize or a process group's
+        shutdown would wait forever for a stuck one)."""
+        import time
+
+        from .agreement import GaveUp, give_up
+
+        channel = self.channel
+        if channel is None or channel.world == 1:
+            return
+        if not isinstance(error, AgreementError):
+            give_up(channel, f"{type(error).__name__}: {error}")
+        elif not isinstance(error, GaveUp):
+            give_up(channel, str(error))
+        text = str(error) if str(error).startswith(f"rank {channel.rank}") else f"rank {channel.rank}: {error}"
+        log.error("slackswap %s (%s). The job stops: its ranks cannot agree on one plan", text,
+                  type(error).__name__, extra=EVERY_RANK)
+        time.sleep(_LINGER_S)
+        _exit_without_peers()
+
     def _replan(self, profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
         """After the verifying step demoted tensors: this rank plans again, locally, with its share
         (a nondeterministic kernel may misbehave on one rank only; ranks may then differ, logged)."""
-        from .planners import PLANNERS, get_planner
+        from .planners import PLANNERS
 
         pinned = profile.without_recompute(failures)
-        planner = PLANNERS.get(plan.planner) or get_planner(self.cfg.planner)
-        new = planner(pinned, self.hw, plan.budget_bytes, self.plan_share)
-        return pinned, self._fit_to_device(pinned, new)
+        planner = plan.planner if plan.planner in PLANNERS else self.cfg.planner
+        return pinned, self._fit_to_device(pinned, self._plan_within(pinned, plan.budget_bytes, planner))
+
+    def _plan_within(self, profile: StepProfile, budget: int, planner: str) -> Plan:
+        """`planner`'s plan; if it finds none within the budget, the fastest (simulated) of the
+        fallbacks that does, with a warning; if none does, BudgetInfeasibleError with every reason."""
+        from .errors import BudgetInfeasibleError
+        from .planners import get_planner
+
+        try:
+            return get_planner(planner)(profile, self.hw, budget, self.plan_share)
+        except BudgetInfeasibleError as e:
+            reasons, found = [_reason(planner, e)], []
+        for other in _FALLBACK_PLANNERS:
+            if other == planner:
+                continue
+            try:
+                plan = get_planner(other)(profile, self.hw, budget, self.plan_share)
+            except BudgetInfeasibleError as e:
+                reasons.append(_reason(other, e))
+                continue
+            found.append((simulate(lower(profile, plan), self.plan_share.limit(self.hw)).step_s, other, plan))
+        if not found:
+            raise BudgetInfeasibleError(f"no planner keeps this step's saved activations within {budget:,} B "
+                                        f"(activation_budget {self.cfg.activation_budget}): " + "; ".join(reasons)
+                                        + ". Raise activation_budget or host_pool_bytes_per_node")
+        step_s, other, plan = min(found, key=lambda f: f[0])
+        log.warning("slackswap: planner %s found no plan within %s B (%s); using %s instead (simulated step %.2f ms)",
+                    planner, f"{budget:,}", reasons[0], other, 1e3 * step_s)
+        return plan
 
     def _fit_to_device(self, profile: StepProfile, plan: Plan) -> Plan:
         """On a device without streams (DeepSpeed's CPU accelerator) copies are synchronous: the
@@ -392,7 +468,7 @@ class SlackSwapRuntime:
 
         share = self.plan_share
         return MadeFor(
-            inputs="; ".join(f"{tuple(shape)} {dtype}" for shape, dtype in key),
+            inputs=_inputs(key),
             structure=profile.structure_digest, budget_bytes=int(budget), hardware=f"{self.hw.name} {self.hw.digest}",
             planner=self.cfg.planner,
             share=f"d2h {share.d2h_bps} h2d {share.h2d_bps} pool {share.host_pool_bytes}",
@@ -469,6 +545,13 @@ class SlackSwapRuntime:
 
             if self.sync == "mpi":
                 self.channel = MpiChannel()
+                if dist.is_available() and dist.is_initialized():
+                    theirs = (dist.get_rank(), dist.get_world_size())
+                    if theirs != (self.channel.rank, self.channel.world):
+                        raise AgreementError(
+                            f"MPI says this process is rank {self.channel.rank} of {self.channel.world}, "
+                            f"torch.distributed says rank {theirs[0]} of {theirs[1]}: the job was not launched as "
+                            f"one MPI job of all its ranks; use \"sync\": \"torch\" (or launch it with mpirun)")
             elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
                 self.channel = StoreChannel()
             else:
@@ -491,23 +574,75 @@ class SlackSwapRuntime:
             return torch.cuda.current_device()
         return int(os.environ.get("LOCAL_RANK") or 0)
 
-    def _coordinate(self, channel, local: StepProfile, budget: int) -> None:
-        """Tell every rank this rank's node, uplink and demand; from everyone's, set this rank's
-        Share of its node (`share`, which sizes its host pool) and the tightest (`plan_share`)."""
+    def _coordinate(self, channel, local: StepProfile, budget: int, key: tuple) -> None:
+        """Tell every rank this rank's node, uplink, demand and step; from everyone's, set this rank's
+        Share of its node (`share`, which sizes its host pool) and the tightest (`plan_share`).
+        Replicas planning another step than rank 0's are named on every rank (AgreementError)."""
         from .agreement import exchange
         from .dist import RankFacts, shares_of, tightest
 
         gpu = self._gpu()
         facts = RankFacts(node=self._node_key(channel.rank), uplink=self.topology.uplink_of[gpu % self.topology.gpus],
-                          demand=max(0, local.total_bytes - budget))
+                          demand=max(0, local.total_bytes - budget),
+                          step=f"input shapes {_inputs(key)}, profile {local.structure_digest[:12]}")
         everyone = [RankFacts.from_json(b) for b in exchange(channel, "facts", facts.to_json(), self.cfg.sync_timeout_s,
                                                               "node facts (node, uplink, demand)")]
+        others = {r: f.step for r, f in enumerate(everyone) if f.step != everyone[0].step}
+        if others:
+            raise AgreementError(
+                f"rank {channel.rank}: ranks {sorted(others)} plan another step than rank 0 ({everyone[0].step}): "
+                + "; ".join(f"rank {r}: {step}" for r, step in sorted(others.items()))
+                + ". Data-parallel replicas must run the same model on the same input shapes at each step "
+                  "(pad variable-length batches to a common length, e.g. with slackswap_ds.pad_to_multiple)")
         shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node)
         self.share, self.plan_share, self.rank0_share = shares[channel.rank], tightest(shares), shares[0]
         node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
         self.node_ranks = len(node_ranks)
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
                   facts.node, node_ranks, facts.uplink, self.topology.source, self.share, self.plan_share)
+
+
+# tried, fastest first by simulation, when the configured planner finds no plan within the budget:
+# swapping everything needs only the host pool; recomputing everything, only the layer inputs
+_FALLBACK_PLANNERS = ("offload-all", "full-recompute")
+
+
+def _reason(planner: str, error: Exception) -> str:
+    text = str(error)
+    return text if text.startswith(f"{planner}: ") else f"{planner}: {text}"
+_LINGER_S = 1.0  # how long a rank that gives up stays, so that the others can say why before it exits
+_exiting = []
+
+
+def _exit_without_peers() -> None:
+    """At interpreter exit, end the process before MPI_Finalize or a process group's shutdown can
+    wait for a peer that is stopped or gone (registered last, so it runs first). Exit status 1:
+    the job failed."""
+    import atexit
+
+    if _exiting:
+        return
+    _exiting.append(True)
+
+    def exit_now():
+        import sys
+
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+
+    atexit.register(exit_now)
+
+
+_MPI_LAUNCH_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # set by MPICH/Hydra, Open MPI, PMIx
+
+
+def _mpi_launched() -> bool:
+    return any(v in os.environ for v in _MPI_LAUNCH_VARS)
 
 
 def _has_mpi4py() -> bool:

@@ -38,9 +38,11 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def single_process_group():
-    """torch.distributed and deepspeed.comm for one rank on loopback, torn down afterwards."""
+    """torch.distributed and deepspeed.comm for one rank on loopback, torn down at the end of the
+    session: one group for every test module (DeepSpeed caches groups in `deepspeed.utils.groups`,
+    so a second group after a destroyed one is refused as "not registered")."""
     import deepspeed
     import torch.distributed as tdist
     import deepspeed.comm.comm as dcomm

@@ -334,3 +334,39 @@ def test_at_most_max_shapes_plans_are_kept_least_recently_used_first_out(caplog)
     assert len(drops) == 2 and "[(2, 24), (2, 24)]" in drops[0] and "[(2, 32), (2, 32)]" in drops[1]
     profiled = [r.getMessage() for r in caplog.records if "profiling a step" in r.getMessage()]
     assert len(profiled) == 4  # 16, 24, 32, and 24 again
+
+
+def test_a_budget_the_planner_cannot_meet_falls_back_to_a_planner_that_can(caplog):
+    import logging
+
+    from slackswap_ds.errors import BudgetInfeasibleError
+
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        runtime = _steps({"activation_budget": 0.2}, seqs=(16, 16, 16, 16))
+    plan, stats = runtime.active_plan, runtime.last_stats
+    assert plan.planner == "offload-all" and stats.peak_device_bytes <= plan.budget_bytes and not stats.fallbacks
+    said = [r.getMessage() for r in caplog.records if "found no plan within" in r.getMessage()]
+    assert len(said) == 1 and "using offload-all instead" in said[0]
+    with pytest.raises(BudgetInfeasibleError, match=r"no planner keeps .*slackswap: .*; offload-all: .*; "
+                                                    r"full-recompute: .*Raise activation_budget"):
+        _steps({"activation_budget": 0.02}, seqs=(16, 16))
+
+
+def test_a_host_pool_that_runs_out_is_warned_once_and_reported(caplog):
+    import logging
+
+    import torch
+
+    runtime = _steps({"log_every": 2, "activation_budget": 0.5}, seqs=(16,) * 3)
+    assert runtime.active_plan.keys(Decision.SWAP)
+    runtime.pool.trim()  # the job's pinned pool gives back its free memory, and
+    runtime.pool.budget_bytes = 0  # may take no more: every swap misses
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        for _ in range(4):
+            ids = torch.randint(1, 128, (2, 16))
+            runtime.engine.backward(runtime.engine.forward(input_ids=ids, labels=ids).loss)
+    assert runtime.last_stats.fallbacks.get("host pool exhausted: kept")
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    first = [m for level, m in messages if level == logging.WARNING and "(host pool exhausted: kept)" in m]
+    reports = [m for level, m in messages if "kept instead of planned" in m and "host pool exhausted" in m]
+    assert len(first) == 1 and len(reports) == 2  # warned the first time, then counted every log_every steps

@@ -109,6 +109,7 @@ class _Planned:
     decision: Decision
     nbytes: int
     first_read: int  # profile op whose backward reads it first
+    writer: int | None  # the op of its layer call (index within the call) that makes it; None: not recomputable
 
 
 class Program:
@@ -117,13 +118,18 @@ class Program:
     def __init__(self, schedule: Schedule, profile: StepProfile):
         plan = schedule.plan
         self.plan, self.profile, self.blocking = plan, profile, plan.blocking
-        self.acts = {a.key: _Planned(plan.decision[a.key], a.bytes, a.first_read) for a in profile.activations}
         ops = profile.ops
         op_index = {o.key: i for i, o in enumerate(ops)}
         self.n_ops = len(ops)
         first: dict[str, int] = {}
         for i, o in enumerate(ops):
             first.setdefault(o.region, i)
+
+        def writer(a) -> int | None:  # a replay's last op is the one that writes the tensor
+            return max(a.producers) - first[ops[max(a.producers)].region] if a.producers else None
+
+        self.acts = {a.key: _Planned(plan.decision[a.key], a.bytes, a.first_read, writer(a))
+                     for a in profile.activations}
         self.region_of_op = [o.region for o in ops]
         self.op_keys = {(o.region, i - first[o.region]): o.key for i, o in enumerate(ops)}
         # RECOMPUTE instructions: the ops each region's replay re-runs (indices within the region)
@@ -575,6 +581,11 @@ class Executor:
         mine = writer is not None and writer[0].label == label
         if decision is Decision.RECOMPUTE and not mine:
             decision = self._fallback(step, "recompute of a tensor its layer call did not make")
+        elif decision is Decision.RECOMPUTE and writer[1] != planned.writer:
+            # same name, same size, made by another op of the call: the layer took another code path
+            # than when profiled (data-dependent control flow; e.g. an attention mask of all ones that
+            # a model drops), and the plan's replay would stop before the op that makes it now
+            decision = self._fallback(step, "recompute of a tensor its layer call made with other ops than profiled")
         # A SWAP or RECOMPUTE entry outlives its device storage: the weak reference keeps the
         # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
         ref = StorageWeakRef(st) if decision is not Decision.KEEP else None

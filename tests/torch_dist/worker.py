@@ -70,7 +70,7 @@ def main(scenario: str, timeout_s: float) -> None:
 
         began = time.monotonic()
         try:
-            runtime._coordinate(channel, profile, budget)
+            runtime._coordinate(channel, profile, budget, (((2, 16), "torch.int64"),))
         except AgreementError as e:
             emit({**out, "error": str(e), "seconds": time.monotonic() - began})
             os._exit(0)

@@ -1,0 +1,113 @@
+"""One rank of a small DeepSpeed job under SlackSwap in which one fault happens, for
+tests/test_faults.py. Started 4 times by the test (torch.distributed store: RANK etc. set) or by
+`mpiexec -iface lo -n 4` (MPI: the ranks come from MPICH's PMI variables).
+
+    worker.py SCENARIO TIMEOUT_S
+
+Scenarios (the faulty rank in the name):
+    stop0-plan    rank 0 stops (SIGSTOP) once it has planned, before it sends its plan
+    stop3-agree   rank 3 stops when agreement begins
+    kill2-facts   rank 2 dies (os._exit) when the node facts exchange begins
+    shape3        rank 3 profiles a batch of another sequence length than the others
+    newshape23    after the first plan, ranks 2 and 3 get a new sequence length, ranks 0 and 1 do not
+    sync-mpi      "sync": "mpi" in a job that MPI did not launch
+    ok            no fault (the stress of many rounds is in tests/faults/stress.py)
+
+Each rank prints `FAULT-TEST enter <rank>` as the step with the fault begins; the test times every
+rank's error from there.
+"""
+
+import os
+import signal
+import sys
+
+import torch
+
+if __name__ == "__main__":
+    for mpi, ours in (("PMI_RANK", "RANK"), ("PMI_SIZE", "WORLD_SIZE"), ("MPI_LOCALRANKID", "LOCAL_RANK")):
+        if mpi in os.environ:  # an MPI launch: DeepSpeed reads the torch.distributed variables
+            os.environ[ours] = os.environ[mpi]
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+
+import slackswap_ds as ss  # noqa: E402
+from slackswap_ds import agreement  # noqa: E402
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def say(text: str) -> None:
+    """One write per line: lines of several ranks that share a pipe (mpiexec's) never interleave."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def stop_here():
+    say(f"FAULT-TEST stopping {os.environ['RANK']}")
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def fault_before(name: str, fault):
+    """Run `fault` when agreement.<name> is next called on this rank."""
+    real = getattr(agreement, name)
+
+    def faulty(*args, **kwargs):
+        fault()
+        return real(*args, **kwargs)
+
+    setattr(agreement, name, faulty)
+
+
+def main(scenario: str, timeout_s: float) -> None:
+    rank = int(os.environ["RANK"])
+    torch.manual_seed(0)
+    model = Tiny().train()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.01}},
+              "steps_per_print": 10 ** 6,
+              "slackswap": {"activation_budget": 0.5, "hardware": "a100-80g-pcie4", "profile_steps": 1,
+                            "sync_timeout_s": timeout_s, "log_level": "info",
+                            "sync": "mpi" if scenario == "sync-mpi" else "auto"}}
+    engine, _, _, _ = ss.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if scenario == "stop0-plan" and rank == 0:
+        fault_before("agree", stop_here)
+    if scenario == "stop3-agree" and rank == 3:
+        fault_before("agree", stop_here)
+    if scenario == "kill2-facts" and rank == 2:
+        fault_before("exchange", lambda: os._exit(1))
+    seq = 8
+    for step in range(1, 5):
+        if step == 2 or (scenario == "newshape23" and step == 3):
+            say(f"FAULT-TEST enter {rank}")
+        if scenario == "shape3" and rank == 3 and step >= 2:
+            seq = 12
+        if scenario == "newshape23" and rank in (2, 3) and step >= 3:
+            seq = 16
+        x = torch.randn(2, seq, 32)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+    say(f"FAULT-TEST done {rank}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], float(sys.argv[2]))
