@@ -136,8 +136,7 @@ def agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: fl
           on_receive: Callable[[Plan], Plan] | None = None) -> tuple[StepProfile, Plan]:
     """Rank 0's profile and plan on every rank (see the module docstring); `plan` matters on rank 0
     only. `on_receive` lets a test tamper with what a rank received."""
-    rank, world = channel.rank, channel.world
-    if world == 1:
+    if channel.world == 1:
         return local, plan
     deadline = time.monotonic() + timeout_s
     with _shouting(channel):
