@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 import zlib
 from typing import Callable, Sequence
 
@@ -29,7 +28,6 @@ class MpiChannel:
         self.comm = comm or MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
         self._sends: list = []  # (request, buffer): the buffer must live until the send completes
-        self._abandoned: list = []  # sends to ranks that never received them
         self._heard: tuple[int, bytes] | None = None
 
     @staticmethod
@@ -67,14 +65,13 @@ class MpiChannel:
         return self._heard
 
     def finish(self, deadline: float) -> None:
-        while self._sends and time.monotonic() < deadline:
-            self._sends = [(q, b) for q, b in self._sends if not q.Test()]
-            time.sleep(0.001)
-        # the receiver is gone or stuck. Never MPI_Cancel these: cancelling a send that a receiver
-        # has already matched crashes MPICH 5.0 (segfault in MPI_Cancel). MPI may read a buffer
-        # until its request completes, so request and buffer are kept for the channel's life
-        self._abandoned += self._sends
-        self._sends = []
+        # Nothing to wait for: a send reaches a live receiver whether or not its sender waits, and
+        # waiting for one to a stopped rank would only delay this rank's own error past the point
+        # where a launcher tears the job down. Never MPI_Cancel: cancelling a send that a receiver
+        # has already matched crashes MPICH 5.0 (segfault in MPI_Cancel). MPI may read a buffer until
+        # its request completes, so unfinished requests and their buffers are kept, and dropped
+        # only once complete.
+        self._sends = [(q, b) for q, b in self._sends if not q.Test()]
 
 
 class StoreSilent(AgreementError):

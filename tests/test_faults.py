@@ -68,6 +68,7 @@ class Job:
     rc: int  # the launcher's (MPI) or the worst rank's (torch)
     seconds: float
     began: float  # when it was launched (monotonic)
+    output: str = ""  # everything every rank printed
 
 
 def _read(stream, sink) -> None:
@@ -105,13 +106,15 @@ def run_torch(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
                 p.wait()
         for t in readers:
             t.join()
-    return Job(ranks, max(abs(k.rc) if k.rc is not None else 0 for k in ranks), time.monotonic() - began, began)
+    return Job(ranks, max(abs(k.rc) if k.rc is not None else 0 for k in ranks), time.monotonic() - began, began,
+               "\n".join(line for k in ranks for _, line in k.lines))
 
 
 def run_mpi(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
-    ranks = [Rank() for _ in range(n)]
+    ranks, everything = [Rank() for _ in range(n)], []
 
     def sink(at, line):
+        everything.append(line)
         # one pipe for every rank: a line is ours by what it says (the worker's markers, the
         # engine's error line); a line may still carry pieces of several ranks' output
         for m in re.finditer(r"FAULT-TEST \w+ (\d+)|slackswap rank (\d+): .*?The job stops", line):
@@ -131,7 +134,7 @@ def run_mpi(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
         raise AssertionError(f"mpiexec did not end within {limit_s} s")
     finally:
         reader.join()
-    return Job(ranks, rc, time.monotonic() - began, began)
+    return Job(ranks, rc, time.monotonic() - began, began, "\n".join(everything))
 
 
 TRANSPORTS = ["torch", pytest.param("mpi", marks=pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"))]
@@ -146,6 +149,8 @@ def assert_named(job: Job, survivors, pattern: str) -> None:
     faulty step, and exited non-zero (under MPI the launcher ends the job at the first exit:
     every survivor has said why by then, and the job's status is non-zero)."""
     assert job.rc != 0
+    assert "Segmentation fault" not in job.output and "core dumped" not in job.output
+    assert "signal 11" not in job.output.lower() and "SIGSEGV" not in job.output
     for r in survivors:
         rank = job.ranks[r]
         at, line = rank.error
@@ -154,7 +159,6 @@ def assert_named(job: Job, survivors, pattern: str) -> None:
         if rank.rc is not None:
             assert rank.rc == 1, f"rank {r} exited with {rank.rc}"
             assert rank.exited - rank.entered <= TIMEOUT_S + MARGIN_S
-        assert not any("Segmentation fault" in line or "core dumped" in line for _, line in rank.lines)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
