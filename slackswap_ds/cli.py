@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import sys
@@ -44,13 +43,6 @@ GB = 1e9
 
 
 # ---- budgets -----------------------------------------------------------------------------------
-_UNITS = {
-    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
-
-
 @dataclass(frozen=True)
 class Budget:
     """A budget as given: a fraction of the keep-all peak, or bytes."""
@@ -71,37 +63,16 @@ class Budget:
 
 
 def parse_budget(text: str) -> Budget:
-    """``0.5`` / ``50%`` -> fraction; ``12GiB`` / ``16GB`` / ``8e9`` / ``8e9B`` -> bytes.
+    """``0.5`` / ``50%`` -> fraction; ``12GiB`` / ``16GB`` / ``8e9`` -> bytes; by the config's rules
+    (`config.parse_budget_value`), so that a budget means the same on the command line and in JSON:
+    a plain number in (0, 1] is a fraction, a larger one must be whole bytes (``1.5`` is refused)."""
+    from .config import parse_budget_value
 
-    A plain number in (0, 1] is a fraction of the keep-all peak, a larger plain number is bytes."""
-    m = _BUDGET_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(
-            f"invalid budget {text!r}: give a fraction of the keep-all peak (0.5, 50%) or a size (12GiB, 16GB, 8e9)"
-        )
-    number, unit = float(m.group(1)), m.group(2).lower()
-    if not math.isfinite(number) or number <= 0:
-        raise argparse.ArgumentTypeError(f"invalid budget {text!r}: must be positive")
-    if unit == "%":
-        if number > 100:
-            raise argparse.ArgumentTypeError(f"invalid budget {text!r}: a percentage must be in (0, 100]")
-        return Budget(number / 100, True, text)
-    if unit == "":
-        if number <= 1:
-            return Budget(number, True, text)
-        return Budget(_whole_bytes(number, text), False, text)
-    if unit not in _UNITS:
-        raise argparse.ArgumentTypeError(
-            f"invalid budget {text!r}: unknown unit {m.group(2)!r}; use %, B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
-        )
-    return Budget(_whole_bytes(number * _UNITS[unit], text), False, text)
-
-
-def _whole_bytes(x: float, text: str) -> int:
-    n = int(round(x))
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"invalid budget {text!r}: less than one byte")
-    return n
+    try:
+        value = parse_budget_value(str(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid budget {text!r}: {e}") from None
+    return Budget(value, isinstance(value, float), text)
 
 
 def _positive_int(text: str) -> int:

@@ -99,8 +99,10 @@ _BUDGET_FIX = f"Fix: a fraction of the keep-all peak in (0, 1] such as 0.5, or a
 _SIZE_FIX = f"Fix: an integer number of bytes, a size such as {_SIZE_EXAMPLES}, or null for no limit"
 
 
-def _parse_budget(v: Any) -> float | int:
-    """A fraction (float in (0, 1]) or bytes (int > 1); see the module docstring."""
+def parse_budget_value(v: Any) -> float | int:
+    """A budget: a fraction of the keep-all peak (float in (0, 1]) or bytes (int > 1), from a JSON
+    value or a string (see the module docstring). The one parser of budgets: the config and the
+    command line (`cli.parse_budget`) both use it. Raises ValueError("what is wrong. Fix: ...")."""
     if isinstance(v, bool) or not isinstance(v, (int, float, str)):
         raise ValueError(f"not a budget. {_BUDGET_FIX}")
     if isinstance(v, str):
@@ -345,7 +347,7 @@ class SlackSwapConfig(BaseModel):
     @field_validator("activation_budget", mode="before")
     @classmethod
     def _budget(cls, v: Any) -> float | int:
-        return _parse_budget(v)
+        return parse_budget_value(v)
 
     @field_validator("host_pool_bytes_per_node", mode="before")
     @classmethod

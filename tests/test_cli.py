@@ -113,7 +113,7 @@ def test_budget_parsing():
     assert parse_budget("512 MiB").value == 512 * 2**20
     assert parse_budget("1.5gib").value == 3 * 2**29
     assert parse_budget("100B").value == 100
-    for bad in ("abc", "0", "-1", "0.0", "12XB", "150%", "", "nan", "GiB"):
+    for bad in ("abc", "0", "-1", "0.0", "12XB", "150%", "", "nan", "GiB", "1.5", "2.5e0"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_budget(bad)
 
@@ -122,6 +122,10 @@ def test_bad_budget_is_an_argparse_error(capsys):
     assert main(["simulate", *SMALL, "--budget", "lots"]) == 2
     err = capsys.readouterr().err
     assert "invalid budget 'lots'" in err and "Traceback" not in err
+    # the config's rule: a float above 1 is ambiguous (a mistaken fraction?), not 2 bytes
+    assert main(["simulate", *SMALL, "--budget", "1.5"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid budget '1.5'" in err and "not a whole number of bytes" in err
 
 
 def test_byte_budget_rows(capsys):

@@ -55,6 +55,16 @@ def test_every_emitted_plan_is_feasible(p, frac, d2h, name):
     assert res.peak_bytes <= budget
 
 
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(p=profiles(), d2h=st.floats(1, 40), name=st.sampled_from(sorted(PLANNERS)))
+def test_every_planner_emits_a_plan_when_everything_fits(p, d2h, name):
+    """The other side of the test above: a planner that always refused would pass it."""
+    hw = toy_hardware(d2h=d2h, h2d=d2h, duplex_d2h=d2h, duplex_h2d=d2h / 2, latency=0.01)
+    budget = resolve_budget(1.0, p)  # the keep-all peak: keep-all itself fits
+    plan = get_planner(name)(p, hw, budget)
+    assert simulate(lower(p, plan), hw, budget_bytes=budget).peak_bytes <= budget
+
+
 def test_unknown_planner_lists_choices():
     with pytest.raises(UnknownNameError, match="valid choices: full-recompute, keep-all"):
         get_planner("magic")
