@@ -162,9 +162,12 @@ class StoreChannel:
         self._call(lambda: self.store.set(key, data))
         self._keys.append(key)
 
+    def _get_if_set(self, key: str) -> bytes | None:
+        return self._call(lambda: self.store.get(key) if self.store.check([key]) else None)
+
     def poll(self, name: str, sender: int) -> bytes | None:
         key = self._key(name, sender)
-        data = self._call(lambda: self.store.get(key) if self.store.check([key]) else None)
+        data = self._get_if_set(key)
         if data is not None:
             self._keys.append(key)
         return data
@@ -175,14 +178,17 @@ class StoreChannel:
         return self._call(lambda: [r for r, k in enumerate(keys) if self.store.check([k])])
 
     def shout(self, data: bytes) -> None:
-        # the first shout of the job wins (an atomic counter); a later one has nothing to add
-        first = f"{self.prefix}/shout"
-        self._call(lambda: self.store.add(first + "s", 1) == 1 and self.store.set(first, f"{self.rank}\n".encode() + data))
+        key = f"{self.prefix}/shout"
+
+        def first_shout_wins():  # an atomic counter: a later shout has nothing to add
+            if self.store.add(key + "s", 1) == 1:
+                self.store.set(key, f"{self.rank}\n".encode() + data)
+
+        self._call(first_shout_wins)
 
     def hear(self) -> tuple[int, bytes] | None:
         if self._heard is None:
-            key = f"{self.prefix}/shout"
-            data = self._call(lambda: self.store.get(key) if self.store.check([key]) else None)
+            data = self._get_if_set(f"{self.prefix}/shout")
             if data is not None:
                 sender, _, text = data.partition(b"\n")
                 self._heard = (int(sender), text)

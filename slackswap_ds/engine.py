@@ -392,10 +392,8 @@ class SlackSwapRuntime:
         channel = self.channel
         if channel is None or channel.world == 1:
             return
-        if not isinstance(error, AgreementError):
-            give_up(channel, f"{type(error).__name__}: {error}")
-        elif not isinstance(error, GaveUp):
-            give_up(channel, str(error))
+        if not isinstance(error, GaveUp):  # (give_up shouts once per channel: the protocol's own errors already did)
+            give_up(channel, str(error) if isinstance(error, AgreementError) else f"{type(error).__name__}: {error}")
         text = str(error) if str(error).startswith(f"rank {channel.rank}") else f"rank {channel.rank}: {error}"
         log.error("slackswap %s (%s). The job stops: its ranks cannot agree on one plan", text,
                   type(error).__name__, extra=EVERY_RANK)
@@ -610,8 +608,10 @@ _FALLBACK_PLANNERS = ("offload-all", "full-recompute")
 def _reason(planner: str, error: Exception) -> str:
     text = str(error)
     return text if text.startswith(f"{planner}: ") else f"{planner}: {text}"
+
+
 _LINGER_S = 1.0  # how long a rank that gives up stays, so that the others can say why before it exits
-_exiting = []
+_exit_registered = False
 
 
 def _exit_without_peers() -> None:
@@ -620,9 +620,10 @@ def _exit_without_peers() -> None:
     the job failed."""
     import atexit
 
-    if _exiting:
+    global _exit_registered
+    if _exit_registered:
         return
-    _exiting.append(True)
+    _exit_registered = True
 
     def exit_now():
         import sys
