@@ -38,7 +38,8 @@ from benchmarks._common import (PlannerTimeout, Timer, call_with_timeout, fmt_s,
 from slackswap_ds.errors import BudgetInfeasibleError
 from slackswap_ds.hardware import Node, load_node
 from slackswap_ds.plan import lower
-from slackswap_ds.planners import PLANNERS, PRIVATE, Share, keep_all_result, milp, resolve_budget
+from slackswap_ds.planners import PLANNERS, PRIVATE, Share, keep_all_result, resolve_budget
+from slackswap_ds.planners.optimal import solve_optimal
 from slackswap_ds.simulator import SimEvent, SimResult, simulate, simulate_node
 from slackswap_ds.workloads import workload
 
@@ -54,9 +55,6 @@ COPY_STREAMS = ("d2h", "h2d")
 TARGET_PCT = 95.0  # the issue's acceptance target for GPT-2 XL, % of ideal; only reported against
 # start offset of the second GPU of each switch, in units of the keep-all forward time F = sum(op.fwd_s)
 STAGGER_FRACTIONS = (0.0, 0.05, 0.1, 0.25, 0.5, 1.0)
-# PLANNERS name -> the `planner` key that planner passes to milp.solve_region_milp (planners/optimal.py),
-# under which milp.last_bound keeps (incumbent, proven lower bound, model budget) of its last solve
-BOUND_KEYS = {"optimal": "optimal"}
 
 ROW_KEYS = (
     "workload", "planner", "mode", "budget", "budget_bytes", "ideal_s", "plan_s", "error",
@@ -90,7 +88,7 @@ DEFINITIONS = {
     "alone_step_s": "step time of the schedule alone on one GPU with a private link",
     "bound_recompute_s": (
         "optimal planner only: HiGHS's proven lower bound on the recompute seconds of any plan in the "
-        "region model (milp.last_bound, read in the process that ran the planner, right after its call); "
+        "region model (the last MILP solve of planners.optimal.solve_optimal); "
         "bound_incumbent_recompute_s = the objective of the plan it returned"
     ),
     "bound_throughput_pct": (
@@ -174,14 +172,13 @@ def uplink_oversubscription(events: tuple[SimEvent, ...], node: Node,
 
 
 def plan_with_bound(planner: str, profile, hw, budget_bytes: int, share: Share):
-    """(plan, bound): bound = (incumbent, proven lower bound, model budget of that solve) for a planner
-    in BOUND_KEYS, else None. It is read here, right after the call, because call_with_timeout runs
-    this function in a forked child, whose module state (milp's last bound) the parent never sees.
-    solve_region_milp lowers its model budget and solves again when the simulator finds a plan over
-    budget (a repair); last_bound gives the budget of the last solve to tell whether the bound is ours."""
-    key = BOUND_KEYS.get(planner)
-    plan = PLANNERS[planner](profile, hw, budget_bytes, share=share)
-    return plan, (None if key is None else milp.last_bound(key))
+    """(plan, bound): bound = (incumbent, proven lower bound, model budget of that solve) of the last
+    MILP solve for the optimal planner, else None. The MILP lowers its model budget and solves again
+    when the simulator finds a plan over budget (a repair); the budget tells whether the bound is ours."""
+    if planner != "optimal":
+        return PLANNERS[planner](profile, hw, budget_bytes, share=share), None
+    res = solve_optimal(profile, hw, budget_bytes, share)
+    return res.plan, (res.last.objective_s, res.last.bound_s, res.last.model_budget_bytes)
 
 
 def node_row(res: SimResult, budget_bytes: int) -> dict:

@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from .hardware import Hardware
-from .planners.common import Share
+from .planners.common import Share, split_node
 
 
 @dataclass(frozen=True)
@@ -74,33 +74,13 @@ def node_layout(comm=None, ranks_per_node: int | None = None) -> tuple[Layout, o
     return Layout(rank, world, node, node_ranks.index(rank), node_ranks), local
 
 
-def node_shares(uplinks: Sequence[int], demands: Sequence[int], hw: Hardware, uplink_bps: float,
-                host_pool_bytes: int | None) -> list[Share]:
-    """Each local rank's Share of one node, given its uplink and demand: an uplink's rate split
-    evenly among the ranks on it (capped by the GPU's own rates), and the pinned pool split by
-    demand: everyone gets its demand when they all fit, else pool * demand / total demand."""
-    if len(uplinks) != len(demands):
-        raise ValueError(f"need one demand per local rank ({len(uplinks)}), got {len(demands)}")
-    if any(d < 0 for d in demands):
-        raise ValueError(f"demands must be >= 0 bytes, got {list(demands)}")
-    pools: list[int | None] = [None] * len(demands)
-    if host_pool_bytes is not None:
-        total = sum(demands)
-        pools = list(demands) if total <= host_pool_bytes else [host_pool_bytes * d // total for d in demands]
-    shares = []
-    for uplink, pool in zip(uplinks, pools):
-        link = uplink_bps / sum(1 for u in uplinks if u == uplink)
-        shares.append(Share(min(hw.d2h_bps, link), min(hw.h2d_bps, link), None if pool is None else int(pool)))
-    return shares
-
-
 def shares_of(facts: Sequence[RankFacts], hw: Hardware, uplink_bps: float,
               host_pool_bytes_per_node: int | None) -> list[Share]:
-    """Every rank's Share, in rank order: node_shares over the ranks of each node."""
+    """Every rank's Share, in rank order: `split_node` over the ranks of each node."""
     shares: list[Share | None] = [None] * len(facts)
     for node in dict.fromkeys(f.node for f in facts):
         ranks = [r for r, f in enumerate(facts) if f.node == node]
-        per_rank = node_shares([facts[r].uplink for r in ranks], [facts[r].demand for r in ranks], hw, uplink_bps,
+        per_rank = split_node([facts[r].uplink for r in ranks], [facts[r].demand for r in ranks], hw, uplink_bps,
                                host_pool_bytes_per_node)
         for r, s in zip(ranks, per_rank):
             shares[r] = s

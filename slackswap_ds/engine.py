@@ -13,7 +13,7 @@ Lifecycle, driven by the engine's own forward and backward (the user's loop does
 Planning a shape, on every rank at the same step:
     1. node facts  every rank sends rank 0 its node, host uplink and demand (dist.RankFacts), and
                    rank 0 answers with everyone's; each rank computes every rank's Share of its node
-                   (uplink split among the ranks on it, pinned pool split by demand); its own sizes
+                   (uplink split among the ranks on it, pinned pool max-min fair by demand); its own sizes
                    its host pool
     2. plan        rank 0 plans with the tightest Share of any rank, so the one plan fits every replica
     3. agreement   rank 0 sends its profile and plan as canonical JSON (no pickle); every rank checks

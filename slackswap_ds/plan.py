@@ -58,6 +58,10 @@ class Plan:
     planner: str
     planner_version: str = "1"
     blocking: bool = False  # forward waits for each copy-out before its next op (torch save_on_cpu)
+    # ops re-run in backward although no tensor needs them: a baseline that replays whole
+    # checkpointed blocks (DeepSpeed, Megatron) pays for them. The simulator charges them; the
+    # runtime executor skips them (it re-runs only what rebuilds a RECOMPUTE tensor).
+    replay: tuple[str, ...] = ()
 
     @classmethod
     def build(
@@ -71,6 +75,7 @@ class Plan:
         planner_version: str = "1",
         prefetch: Mapping[str, str] | None = None,
         blocking: bool = False,
+        replay: tuple[str, ...] = (),
     ) -> "Plan":
         """A checked plan; swapped keys without an explicit trigger prefetch at the end of forward."""
         prefetch = dict(prefetch or {})
@@ -86,6 +91,7 @@ class Plan:
             planner=planner,
             planner_version=planner_version,
             blocking=blocking,
+            replay=tuple(sorted(set(replay))),
         )
         plan.check(profile)
         return plan
@@ -98,7 +104,8 @@ class Plan:
         return Plan.build(profile, self.decision if decisions is None else decisions, budget_bytes=self.budget_bytes,
                           hardware_digest=self.hardware_digest, planner=self.planner,
                           planner_version=self.planner_version,
-                          prefetch=self.trigger if prefetch is None else prefetch, blocking=self.blocking)
+                          prefetch=self.trigger if prefetch is None else prefetch, blocking=self.blocking,
+                          replay=self.replay)
 
     @cached_property
     def decision(self) -> dict[str, Decision]:
@@ -141,6 +148,9 @@ class Plan:
                         problems.append(f"prefetch trigger {trig!r} of {a.key!r} is not an op of the profile")
                     elif op_index[trig] <= need_op(profile, self, a.key):
                         problems.append(f"prefetch trigger {trig!r} of {a.key!r} comes after backward needs it")
+        stray = [k for k in self.replay if k not in op_index]
+        if stray:
+            problems.append(f"replay names {len(stray)} op(s) not in the profile, e.g. {stray[:3]}")
         for key in self.trigger:
             if self.decision.get(key) is not Decision.SWAP:
                 problems.append(f"prefetch trigger given for {key!r}, which is not swapped")
@@ -161,6 +171,8 @@ class Plan:
             "planner": self.planner,
             "planner_version": self.planner_version,
             "blocking": self.blocking,
+            # only when present, so that every plan without one keeps its digest
+            **({"replay": list(self.replay)} if self.replay else {}),
         }
 
     def canonical_json(self) -> str:
@@ -184,6 +196,7 @@ class Plan:
                 planner=str(d["planner"]),
                 planner_version=str(d["planner_version"]),
                 blocking=_strict_bool(d.get("blocking", False)),
+                replay=tuple(sorted(str(k) for k in d.get("replay", []))),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InvalidFileError(f"malformed slackswap plan: {e!r}") from e
@@ -308,6 +321,10 @@ def lower(profile: StepProfile, plan: Plan) -> Schedule:
         if dec[a.key] is Decision.RECOMPUTE:
             rec_ops.setdefault(profile.region_of(a), set()).update(a.producers)
             completes_at.setdefault(max(a.producers), []).append(a.key)
+    op_index = {o.key: i for i, o in enumerate(ops)}
+    for key in plan.replay:
+        i = op_index[key]
+        rec_ops.setdefault(ops[i].region, set()).add(i)
 
     # Copy-ins are placed after the compute instructions; their ids are known in advance.
     need = {a.key: need_op(profile, plan, a.key) for a in swapped}
@@ -340,7 +357,6 @@ def lower(profile: StepProfile, plan: Plan) -> Schedule:
                                free_end=tuple(freed_after.get(i, ()))))
     assert len(instrs) == first_in, "compute instruction count mismatch"
 
-    op_index = {o.key: i for i, o in enumerate(ops)}
     for a in in_order:
         trig = plan.trigger[a.key]
         trig_id = fwd_id[-1] if trig == END_OF_FORWARD else bwd_id[op_index[trig]]
@@ -352,7 +368,8 @@ def lower(profile: StepProfile, plan: Plan) -> Schedule:
 def retrigger(schedule: Schedule, profile: StepProfile, plan: Plan) -> Schedule:
     """`lower(profile, plan)` for a plan that differs from `schedule`'s only in its prefetch
     triggers: only the copy-ins' trigger waits change (planners try several trigger sets)."""
-    if plan.decisions != schedule.plan.decisions or plan.blocking != schedule.plan.blocking:
+    if (plan.decisions, plan.blocking, plan.replay) != (schedule.plan.decisions, schedule.plan.blocking,
+                                                          schedule.plan.replay):
         raise PlanError("retrigger needs a plan with the same decisions as the schedule's")
     ids = {(ins.kind, ins.name): i for i, ins in enumerate(schedule.instrs) if ins.stream == "compute"}
     end_of_forward = ids[Kind.FWD, profile.ops[-1].key]

@@ -75,8 +75,8 @@ def test_node_dgx_quick(tmp_path, capsys):
 
 
 def test_node_dgx_bound_comes_back_from_the_forked_planner_call():
-    # the planner runs in a forked child (--planner-timeout): milp.last_bound in this process never
-    # sees that solve, so plan_with_bound must read it in the child. A small profile keeps the MILP fast.
+    # the planner runs in a forked child (--planner-timeout): the bound must come back with the plan.
+    # A small profile keeps the MILP fast.
     from benchmarks._common import call_with_timeout
     from slackswap_ds.planners import PRIVATE, resolve_budget
     from slackswap_ds.workloads import workload

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slackswap_ds.dist import RankFacts, node_shares, shares_of, tightest
+from slackswap_ds.dist import RankFacts, shares_of, tightest
+from slackswap_ds.planners.common import Share, split_node, water_fill
 from slackswap_ds.hardware import load_node
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,8 +42,8 @@ def test_ranks_grouped_as_two_nodes_of_two_share_each_node_budget_and_link():
         # both ranks sit behind one switch: its uplink is split between them, exactly
         assert sum(r["d2h"] for r in group) == node.switch_uplink_bps
         assert sum(r["h2d"] for r in group) == node.switch_uplink_bps
-        # demands (3000 + 1000) exceed the node pool (2000): shares proportional, within the pool
-        assert [r["pool"] for r in group] == [1500, 500]
+        # demands (3000 + 1000) exceed the node pool (2000): max-min fair shares, within the pool
+        assert [r["pool"] for r in group] == [1000, 1000]
 
 
 def test_replicas_agree_on_one_plan_and_train_exactly():
@@ -74,10 +75,10 @@ def test_a_tampered_plan_is_detected_and_named():
 
 def test_pool_shares_fit_when_demand_is_below_the_pool():
     node = load_node("dgx-a100")
-    shares = node_shares([0, 0, 1, 1], [100, 200, 300, 400], node.gpu, node.switch_uplink_bps, 10_000)
+    shares = split_node([0, 0, 1, 1], [100, 200, 300, 400], node.gpu, node.switch_uplink_bps, 10_000)
     assert [s.host_pool_bytes for s in shares] == [100, 200, 300, 400]
     assert [s.d2h_bps for s in shares] == [node.switch_uplink_bps / 2] * 4
-    odd = node_shares([0, 0, 1], [1, 1, 1], node.gpu, node.switch_uplink_bps, None)  # the third: a switch to itself
+    odd = split_node([0, 0, 1], [1, 1, 1], node.gpu, node.switch_uplink_bps, None)  # the third: a switch to itself
     assert odd[2].d2h_bps == min(node.gpu.d2h_bps, node.switch_uplink_bps)
     assert odd[2].host_pool_bytes is None
 
@@ -88,11 +89,30 @@ def test_shares_are_computed_per_node_and_the_plan_fits_the_tightest_rank():
     facts = [RankFacts("a", 0, 600), RankFacts("a", 0, 200), RankFacts("b", 0, 100), RankFacts("b", 1, 100)]
     shares = shares_of(facts, node.gpu, node.switch_uplink_bps, 400)
     assert [s.d2h_bps for s in shares] == [node.switch_uplink_bps / 2] * 2 + [min(node.gpu.d2h_bps, node.switch_uplink_bps)] * 2
-    assert [s.host_pool_bytes for s in shares] == [300, 100, 100, 100]  # node a: over its pool, split 3:1
+    assert [s.host_pool_bytes for s in shares] == [200, 200, 100, 100]  # node a: over its pool, max-min fair
     least = tightest(shares)
     assert (least.d2h_bps, least.h2d_bps, least.host_pool_bytes) == (node.switch_uplink_bps / 2,
                                                                     node.switch_uplink_bps / 2, 100)
     assert tightest([shares[2], type(shares[2])()]).host_pool_bytes == 100  # a Share() without a pool: unlimited
+
+
+def test_the_pool_is_split_max_min_fairly_by_demand():
+    assert water_fill(400, [600, 200]) == [200, 200]  # the small demand is met, the rest shared
+    assert water_fill(1000, [100, 700, 700]) == [100, 450, 450]
+    assert water_fill(1000, [100, 200]) == [100, 200]  # all fit: each its demand
+    assert water_fill(10, [None, None, None]) == [3, 3, 3]  # unknown demands: equal shares
+    assert water_fill(10, [2, None]) == [2, 8]
+    assert water_fill(0, [5, 5]) == [0, 0] and water_fill(7, []) == []
+
+
+def test_a_node_share_is_the_same_policy_with_unknown_demands():
+    node = load_node("dgx-a100")
+    of_node = Share.of_node(node)
+    split = split_node([node.switch_of(g) for g in range(node.gpus)], [None] * node.gpus, node.gpu,
+                       node.switch_uplink_bps, int(node.host_bytes))
+    assert all(s == of_node for s in split)
+    assert of_node.host_pool_bytes == int(node.host_bytes) // node.gpus
+    assert of_node.d2h_bps == min(node.gpu.d2h_bps, node.switch_uplink_bps / node.gpus_per_switch)
 
 
 def test_rank_facts_round_trip_and_bad_demands_are_refused():
@@ -100,6 +120,6 @@ def test_rank_facts_round_trip_and_bad_demands_are_refused():
     assert RankFacts.from_json(f.to_json()) == f
     node = load_node("dgx-a100")
     with pytest.raises(ValueError, match="one demand per local rank"):
-        node_shares([0, 0], [1], node.gpu, 1e9, None)
+        split_node([0, 0], [1], node.gpu, 1e9, None)
     with pytest.raises(ValueError, match=">= 0"):
-        node_shares([0], [-1], node.gpu, 1e9, None)
+        split_node([0], [-1], node.gpu, 1e9, None)

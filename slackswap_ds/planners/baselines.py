@@ -14,8 +14,10 @@ from ..simulator import simulate
 from .common import PRIVATE, RegionModel, Share, alap_triggers, finalize, keep_all
 from .milp import solve_region_milp
 
-# Ops that make up the attention core (scores, softmax, attention dropout), by op-name suffix.
+# Ops that make up the attention core (scores, softmax, attention dropout), by op-name suffix, and the
+# attention-over-V matmul that Megatron's checkpointed core attention re-runs with them.
 ATTENTION_CORE_OPS = ("scores", "softmax", "attn_dropout")
+CORE_ATTENTION_REPLAY = ATTENTION_CORE_OPS + ("av",)
 
 
 NON_LAYER_REGIONS = {"embed", "head", "pre", "post"}  # analytic and measured names
@@ -25,27 +27,42 @@ def _is_layer(region: str) -> bool:
     return region not in NON_LAYER_REGIONS and not region.startswith("between.")
 
 
+def _op_name(profile: StepProfile, i: int) -> str:
+    return profile.ops[i].key.rsplit(":", 1)[-1]
+
+
 def plan_keep_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
     """Keep every activation (the ideal when memory is unlimited)."""
     return finalize(profile, keep_all(profile), hw=hw, budget_bytes=budget_bytes, share=share, planner="keep-all")
 
 
 def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
-    """DeepSpeed / torch per-layer checkpointing: keep each layer's input, recompute the rest of it."""
+    """DeepSpeed / torch per-layer checkpointing: keep each layer's input, and in backward re-run the
+    layer's whole forward (every op, also those whose outputs no backward reads, such as the last
+    matmul and residual add: `Plan.replay`)."""
     dec = keep_all(profile)
     for a in profile.activations:
         if a.recomputable and _is_layer(profile.region_of(a)):
             dec[a.key] = Decision.RECOMPUTE
-    return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="full-recompute")
+    checkpointed = {profile.region_of(a) for a in profile.activations if dec[a.key] is Decision.RECOMPUTE}
+    replay = tuple(o.key for o in profile.ops if o.region in checkpointed)
+    return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="full-recompute",
+                    replay=replay)
 
 
 def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
-    """Megatron selective recompute (Korthikanti et al.): recompute only the attention core."""
+    """Megatron selective recompute (Korthikanti et al.): checkpoint the core attention, i.e. drop the
+    tensors only the attention core makes (scores, softmax, dropout) and in backward re-run the core,
+    the probs x V matmul included (`Plan.replay`)."""
     dec = keep_all(profile)
     for a in profile.activations:
-        if a.recomputable and all(profile.ops[p].key.rsplit(":", 1)[-1] in ATTENTION_CORE_OPS for p in a.producers):
+        if a.recomputable and all(_op_name(profile, p) in ATTENTION_CORE_OPS for p in a.producers):
             dec[a.key] = Decision.RECOMPUTE
-    return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="megatron-selective")
+    checkpointed = {profile.region_of(a) for a in profile.activations if dec[a.key] is Decision.RECOMPUTE}
+    replay = tuple(o.key for i, o in enumerate(profile.ops)
+                   if o.region in checkpointed and _op_name(profile, i) in CORE_ATTENTION_REPLAY)
+    return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="megatron-selective",
+                    replay=replay)
 
 
 def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
@@ -69,4 +86,4 @@ def plan_recompute_knapsack(profile: StepProfile, hw: Hardware, budget_bytes: in
     """torch.compile's activation memory budget: an exact knapsack over recomputation only (no
     offload) minimising recompute time, solved as a MILP over the region memory model."""
     model = RegionModel(profile, hw, share)
-    return solve_region_milp(model, budget_bytes, allow_swap=False, planner="recompute-knapsack")
+    return solve_region_milp(model, budget_bytes, allow_swap=False, planner="recompute-knapsack").plan

@@ -20,6 +20,9 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
@@ -40,10 +43,11 @@ class Share:
 
     @classmethod
     def of_node(cls, node: Node, host_pool_bytes: int | None = None) -> "Share":
-        """An equal share of the switch uplink among its GPUs, capped by the GPU's own rates."""
-        link = node.switch_uplink_bps / node.gpus_per_switch
-        pool = host_pool_bytes if host_pool_bytes is not None else int(node.host_bytes // node.gpus)
-        return cls(min(node.gpu.d2h_bps, link), min(node.gpu.h2d_bps, link), pool)
+        """One GPU's share of `node` when every GPU wants as much as the others: `split_node` with
+        the node's switches and equal (unknown) demands."""
+        pool = host_pool_bytes if host_pool_bytes is not None else int(node.host_bytes)
+        uplinks = [node.switch_of(g) for g in range(node.gpus)]
+        return split_node(uplinks, [None] * node.gpus, node.gpu, node.switch_uplink_bps, pool)[0]
 
     def limit(self, hw: Hardware) -> Hardware:
         """`hw` as this rank sees it: every copy rate capped by its share of the link. Planners
@@ -62,6 +66,48 @@ class Share:
 
 
 PRIVATE = Share()
+
+
+def water_fill(capacity: int, demands: Sequence[int | None]) -> list[int]:
+    """Max-min fair split of `capacity` whole units: nobody gets more than its demand (None = no
+    limit), and what a small demand leaves is shared by the others."""
+    share = [0] * len(demands)
+    todo = sorted(range(len(demands)), key=lambda i: (demands[i] is None, demands[i] or 0))
+    left = capacity
+    while todo:
+        fair = left // len(todo)
+        i = todo[0]
+        if demands[i] is not None and demands[i] <= fair:
+            share[i] = demands[i]
+            left -= demands[i]
+            todo.pop(0)
+            continue
+        for i in todo:
+            share[i] = fair
+        break
+    return share
+
+
+def split_node(uplinks: Sequence[int], demands: Sequence[int | None], gpu: Hardware, uplink_bps: float,
+               host_pool_bytes: int | None) -> list[Share]:
+    """Each local rank's Share of one node: the one policy for links and the pinned pool.
+
+    A host uplink's rate is split evenly among the ranks behind it (capped by the GPU's own rates);
+    the pool is split max-min fairly by demand (`water_fill`: everyone gets its demand when they
+    all fit; otherwise small demands are met and the rest is shared equally). `demands` are bytes
+    each rank may want to pin, None when unknown (an equal share)."""
+    if len(uplinks) != len(demands):
+        raise ValueError(f"need one demand per local rank ({len(uplinks)}), got {len(demands)}")
+    if any(d is not None and d < 0 for d in demands):
+        raise ValueError(f"demands must be >= 0 bytes, got {list(demands)}")
+    pools: list[int | None] = [None] * len(demands)
+    if host_pool_bytes is not None:
+        pools = water_fill(int(host_pool_bytes), demands)
+    shares = []
+    for uplink, pool in zip(uplinks, pools):
+        link = uplink_bps / sum(1 for u in uplinks if u == uplink)
+        shares.append(Share(min(gpu.d2h_bps, link), min(gpu.h2d_bps, link), pool))
+    return shares
 
 
 def keep_all(profile: StepProfile) -> dict[str, Decision]:
@@ -107,10 +153,11 @@ class RegionModel:
         return self.hw.copy_latency_s + nbytes / bps
 
 
-def draft_schedule(profile: StepProfile, decisions: dict[str, Decision]) -> Schedule:
+def draft_schedule(profile: StepProfile, decisions: dict[str, Decision], replay: tuple[str, ...] = ()) -> Schedule:
     """The schedule of `decisions` with every prefetch at the end of forward: its compute stream is
     the plan's whatever the triggers (they only change copy-in waits; see plan.retrigger)."""
-    return lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft"))
+    return lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft",
+                                     replay=replay))
 
 
 def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share,
@@ -163,11 +210,96 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
     return triggers
 
 
+def model_peak(model: RegionModel, decisions: dict[str, Decision]) -> int:
+    """The region model's peak max_r M(r) of `decisions` (see the module docstring)."""
+    n = len(model.regions)
+    kept, swapped = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    for a in model.profile.activations:
+        d = decisions[a.key]
+        if d is Decision.KEEP:
+            kept[model.region_of[a.key]] += a.bytes
+        elif d is Decision.SWAP:
+            swapped[model.region_of[a.key]] += a.bytes
+    return _peak(np.array(model.bytes, dtype=np.int64), kept, swapped)
+
+
+def _peak(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray) -> int:
+    m = total.copy()
+    m[1:] += np.cumsum(kept)[:-1] + swapped[:-1]
+    return int(m.max()) if len(m) else 0
+
+
+def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> dict[str, Decision]:
+    """`decisions` with every drop the model peak does not need turned back into KEEP: recomputes
+    first, the most expensive first (each saves its re-run time), then swaps, the latest region
+    first (each saves pinned bytes and link time another rank or ZeRO could use). A greedy
+    planner overshoots (it drops before it knows what later drops will do); an exact one may
+    leave free swaps in (they cost nothing in its objective). Keeping one is allowed only while
+    the model peak stays within `target`."""
+    p = model.profile
+    dec = dict(decisions)
+    n = len(model.regions)
+    total = np.array(model.bytes, dtype=np.int64)
+    kept, swapped = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    rerun: list[set[int]] = [set() for _ in range(n)]
+    for a in p.activations:
+        r, d = model.region_of[a.key], dec[a.key]
+        if d is Decision.KEEP:
+            kept[r] += a.bytes
+        elif d is Decision.SWAP:
+            swapped[r] += a.bytes
+        else:
+            rerun[r].update(a.producers)
+    if _peak(total, kept, swapped) > target:
+        return dec  # nothing to give back (the caller's decisions do not meet the target)
+    rec = [a for a in p.activations if dec[a.key] is Decision.RECOMPUTE and a.bytes > 0]
+    rec.sort(key=lambda a: (-sum(p.ops[o].fwd_s for o in a.producers), a.key))
+    for a in rec:
+        r = model.region_of[a.key]
+        kept[r] += a.bytes
+        if _peak(total, kept, swapped) <= target:
+            dec[a.key] = Decision.KEEP
+        else:
+            kept[r] -= a.bytes
+    swaps = [a for a in p.activations if dec[a.key] is Decision.SWAP and a.bytes > 0]
+    swaps.sort(key=lambda a: (-model.region_of[a.key], -a.bytes, a.key))
+    for a in swaps:
+        r = model.region_of[a.key]
+        kept[r] += a.bytes
+        swapped[r] -= a.bytes
+        if _peak(total, kept, swapped) <= target:
+            dec[a.key] = Decision.KEEP
+        else:
+            kept[r] -= a.bytes
+            swapped[r] += a.bytes
+    return dec
+
+
+MAX_REPAIRS = 8
+
+
+def repair(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, planner: str,
+           decide: Callable[[int], dict[str, Decision]], version: str = "1") -> Plan:
+    """The repair loop every model-based planner runs: `decide(target)` gives decisions whose region
+    model peak meets `target` (or raises BudgetInfeasibleError); the simulator has the last word.
+    When it finds the best-triggered plan over budget (copy latency, transients the model does not
+    see), the target is lowered by the overshoot and `decide` asked again, up to MAX_REPAIRS times."""
+    target = budget_bytes
+    for _ in range(MAX_REPAIRS):
+        plan, overshoot = best_triggers(profile, decide(target), hw=hw, budget_bytes=budget_bytes, share=share,
+                                        planner=planner, version=version)
+        if plan is not None:
+            return plan
+        target -= overshoot
+    raise BudgetInfeasibleError(f"{planner}: no plan within {budget_bytes:,} B after {MAX_REPAIRS} repairs")
+
+
 LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when prefetches stall compute
 
 
 def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
-                  share: Share, planner: str, version: str = "1") -> tuple[Plan | None, int]:
+                  share: Share, planner: str, version: str = "1",
+                  replay: tuple[str, ...] = ()) -> tuple[Plan | None, int]:
     """The fastest feasible plan over the prefetch margins in LEADS (stopping at the first that
     does not stall compute), or (None, overshoot in bytes of the latest margin tried)."""
     best: tuple[float, Plan] | None = None
@@ -175,11 +307,11 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
     rank_hw = share.limit(hw)
     draft = None
     if any(d is Decision.SWAP for d in decisions.values()):
-        draft = draft_schedule(profile, decisions)
+        draft = draft_schedule(profile, decisions, replay)
     for lead in LEADS if draft is not None else (0,):
         triggers = alap_triggers(profile, decisions, hw, share, lead=lead, draft=draft)
         plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
-                          planner_version=version, prefetch=triggers)
+                          planner_version=version, prefetch=triggers, replay=replay)
         schedule = retrigger(draft, profile, plan) if draft is not None else lower(profile, plan)
         res = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes, record=False)
         if not res.feasible:
@@ -193,11 +325,11 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
 
 
 def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
-             share: Share, planner: str, version: str = "1") -> Plan:
+             share: Share, planner: str, version: str = "1", replay: tuple[str, ...] = ()) -> Plan:
     """The best-triggered plan for fixed decisions; BudgetInfeasibleError if the simulator finds it
     over budget."""
     plan, overshoot = best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share,
-                                    planner=planner, version=version)
+                                    planner=planner, version=version, replay=replay)
     if plan is None:
         raise BudgetInfeasibleError(
             f"{planner}: its plan peaks at {budget_bytes + overshoot:,} B, over the budget of {budget_bytes:,} B"
@@ -214,4 +346,6 @@ def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = 
         return plan
     if simulate(lower(profile, plan), share.limit(hw), budget_bytes=plan.budget_bytes, record=False).feasible:
         return plan
-    return plan.rebuilt(profile, prefetch=alap_triggers(profile, dict(plan.decision), hw, share))
+    decisions = dict(plan.decision)
+    draft = draft_schedule(profile, decisions, plan.replay)
+    return plan.rebuilt(profile, prefetch=alap_triggers(profile, decisions, hw, share, draft=draft))

@@ -9,12 +9,16 @@ Variables, all binary: s[a] (swap a), r[a] (recompute a), u[o] (producer op o re
     sum_{a in r} s[a] * copy_h2d(a) <= bwd_s(r+1) + recompute(r+1)   (H2D hidden under the next
                                                                       region's backward)
     sum_a s[a] * bytes(a) <= host pool
-Every swap is hidden by construction, so the objective is the model's whole overhead. After the
-solve, the plan is simulated; if the simulator's peak overshoots (transients the model does not
-see), the model budget is lowered by the overshoot and the MILP solved again.
+Every swap is hidden by construction, so the objective is the model's whole overhead. Swaps the
+peak does not need (free in the objective) are kept again (`common.release`). After the solve, the
+plan is simulated; if the simulator's peak overshoots (transients the model does not see), the
+model budget is lowered by the overshoot and the MILP solved again (`common.repair`).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -22,38 +26,61 @@ from scipy.sparse import coo_matrix
 
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
-from .common import RegionModel, best_triggers
+from .common import RegionModel, release, repair
 
-MAX_REPAIRS = 8
-TIME_LIMIT_S = 20.0
-MIP_REL_GAP = 5e-3  # of recompute time: < 1e-4 of a step, far below what the table shows
-# planner -> (objective of the last solve, HiGHS's proven lower bound on it, both in seconds of
-# recompute; the model budget of that solve in bytes)
-_LAST_BOUND: dict[str, tuple[float, float, int | None]] = {}
+@dataclass(frozen=True)
+class MilpOptions:
+    """How long HiGHS may search and how close to optimal it must prove its incumbent."""
+
+    time_limit_s: float = 20.0
+    mip_rel_gap: float = 5e-3  # of recompute time: < 1e-4 of a step, far below what the tables show
 
 
-def last_bound(planner: str) -> tuple[float, float, int | None]:
-    """(incumbent, proven lower bound, budget) of the last solve of `planner`, in seconds of recompute
-    and bytes: the solve stops at TIME_LIMIT_S, so the bound shows how far from optimal the incumbent
-    can be. The budget is the model's: lower than the plan's when the simulator made it repair."""
-    return _LAST_BOUND.get(planner, (float("nan"), float("nan"), None))
+@dataclass(frozen=True)
+class MilpSolve:
+    """One solve: the incumbent's recompute seconds, HiGHS's proven lower bound on them (the solve
+    stops at the time limit, so the bound shows how far from optimal the incumbent can be), and the
+    model budget it was solved for (lower than the plan's when the simulator made it repair)."""
+
+    objective_s: float
+    bound_s: float
+    model_budget_bytes: int
+    message: str
+
+    @property
+    def gap(self) -> float:
+        """Relative gap (incumbent - bound) / incumbent; 0 when both are 0, nan without an incumbent."""
+        if math.isnan(self.objective_s) or math.isnan(self.bound_s):
+            return math.nan
+        return (self.objective_s - self.bound_s) / self.objective_s if self.objective_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class MilpResult:
+    plan: Plan
+    solves: tuple[MilpSolve, ...]  # in order; the last one made `plan`
+
+    @property
+    def last(self) -> MilpSolve:
+        return self.solves[-1]
 
 
 def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool, planner: str,
-                      time_limit_s: float = TIME_LIMIT_S) -> Plan:
-    profile, hw = model.profile, model.hw
-    target = budget_bytes
-    for _ in range(MAX_REPAIRS):
-        dec = _solve(model, target, allow_swap, time_limit_s, planner)
-        plan, overshoot = best_triggers(profile, dec, hw=hw, budget_bytes=budget_bytes, share=model.share,
-                                        planner=planner)
-        if plan is not None:
-            return plan
-        target -= overshoot
-    raise BudgetInfeasibleError(f"{planner}: no plan within {budget_bytes:,} B after {MAX_REPAIRS} repairs")
+                      options: MilpOptions = MilpOptions()) -> MilpResult:
+    """The MILP's plan (through the repair loop every planner shares) and every solve it took."""
+    solves: list[MilpSolve] = []
+
+    def decide(target: int) -> dict[str, Decision]:
+        dec, solve = _solve(model, target, allow_swap, options, planner)
+        solves.append(solve)
+        return release(model, dec, target)
+
+    plan = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide)
+    return MilpResult(plan, tuple(solves))
 
 
-def _solve(model: RegionModel, budget: int, allow_swap: bool, time_limit_s: float, planner: str) -> dict:
+def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptions,
+           planner: str) -> tuple[dict[str, Decision], MilpSolve]:
     profile = model.profile
     acts = profile.activations
     nreg = len(model.regions)
@@ -162,10 +189,10 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, time_limit_s: floa
     upper = np.r_[np.ones(n_binary), np.full(n - n_binary, np.inf)]
     A = coo_matrix((vals, (rows, cols)), shape=(row, n)).tocsr()
     res = milp(cost, constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=Bounds(0, upper),
-               options={"time_limit": time_limit_s, "disp": False, "mip_rel_gap": MIP_REL_GAP})
+               options={"time_limit": options.time_limit_s, "disp": False, "mip_rel_gap": options.mip_rel_gap})
     bound = getattr(res, "mip_dual_bound", None)
-    _LAST_BOUND[planner] = (float(res.fun) if res.x is not None else float("nan"),
-                            float("nan") if bound is None else float(bound), budget)
+    solve = MilpSolve(float(res.fun) if res.x is not None else math.nan,
+                      math.nan if bound is None else float(bound), budget, str(res.message))
     if res.x is None:
         raise BudgetInfeasibleError(
             f"{planner}: no plan can keep the estimated peak within {budget:,} B ({res.message})"
@@ -179,4 +206,4 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, time_limit_s: floa
             dec[a.key] = Decision.RECOMPUTE
         else:
             dec[a.key] = Decision.KEEP
-    return dec
+    return dec, solve

@@ -7,8 +7,15 @@ from ..hardware import Hardware
 from ..plan import Plan
 from ..profile import StepProfile
 from .common import PRIVATE, RegionModel, Share
-from .milp import solve_region_milp
+from .milp import MilpOptions, MilpResult, solve_region_milp
+
+
+def solve_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                  options: MilpOptions = MilpOptions()) -> MilpResult:
+    """The optimal plan with its solves (incumbent, proven bound, gap)."""
+    return solve_region_milp(RegionModel(profile, hw, share), budget_bytes, allow_swap=True, planner="optimal",
+                             options=options)
 
 
 def plan_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
-    return solve_region_milp(RegionModel(profile, hw, share), budget_bytes, allow_swap=True, planner="optimal")
+    return solve_optimal(profile, hw, budget_bytes, share).plan

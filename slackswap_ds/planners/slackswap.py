@@ -11,7 +11,9 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
 3. Recompute. While the region memory model's peak M(r*) is over budget, recompute the tensor with
    the lowest marginal recompute time per byte (producers already re-run in its region are free)
    among the regions before r*.
-4. Check and improve. Simulate; if the simulator's peak overshoots (copy latency, transients the
+4. Give back. Drops the model peak does not need after all are kept again (`common.release`):
+   recomputes first (time), then swaps (pinned bytes and link time for other ranks and ZeRO).
+5. Check and improve. Simulate; if the simulator's peak overshoots (copy latency, transients the
    model does not see), tighten the model budget by the overshoot and continue from step 3; if
    prefetches stall compute, try earlier triggers; keep the fastest feasible plan.
 """
@@ -26,25 +28,21 @@ from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
 from ..plan import Decision, Plan
 from ..profile import StepProfile
-from .common import PRIVATE, RegionModel, Share, best_triggers, keep_all
+from .common import PRIVATE, RegionModel, Share, keep_all, release, repair
 
-NAME, VERSION = "slackswap", "1"
-MAX_REPAIRS = 8
+NAME, VERSION = "slackswap", "2"
 
 
 def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
     model = RegionModel(profile, hw, share)
     state = _State(model)
-    target = budget_bytes
-    for _ in range(MAX_REPAIRS):
+
+    def decide(target: int) -> dict[str, Decision]:
         state.swap_within_slack(target)
         state.recompute_until(target)
-        plan, overshoot = best_triggers(profile, state.dec, hw=hw, budget_bytes=budget_bytes, share=share,
-                                        planner=NAME, version=VERSION)
-        if plan is not None:
-            return plan
-        target -= overshoot
-    raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B after {MAX_REPAIRS} repairs")
+        return release(model, state.dec, target)
+
+    return repair(profile, hw, budget_bytes, share, NAME, decide, version=VERSION)
 
 
 class _State:

@@ -136,8 +136,10 @@ class Program:
         rerun: dict[str, set[int]] = {}
         triggers: dict[int, list[str]] = {}
         instrs = schedule.instrs
+        # ops only a baseline's whole-block replay re-runs rebuild nothing: skipped (Plan.replay)
+        needed = {p for a in profile.activations if plan.decision[a.key] is Decision.RECOMPUTE for p in a.producers}
         for ins in instrs:
-            if ins.kind is Kind.RECOMPUTE:
+            if ins.kind is Kind.RECOMPUTE and op_index[ins.name] in needed:
                 i = op_index[ins.name]
                 rerun.setdefault(ops[i].region, set()).add(i - first[ops[i].region])
             elif ins.kind is Kind.COPY_IN:

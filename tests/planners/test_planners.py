@@ -140,3 +140,87 @@ def test_slackswap_beats_baselines_and_is_near_optimal(a100, name, overrides):
     best = thr.pop("optimal")
     assert ours >= best - 0.5
     assert all(ours >= other for other in thr.values()), thr
+
+
+def _recompute_s(p, plan):
+    return sum(ins.seconds for ins in lower(p, plan).instrs if ins.kind.value == "recompute")
+
+
+def test_full_recompute_replays_whole_layers_as_deepspeed_does(a100):
+    # Llama has no dropout: no saved tensor needs the down projection or the residual add re-run, but
+    # a checkpointed block re-runs its whole forward, so the baseline pays for every layer op.
+    p = workload("llama-7b", a100, layers=3, micro_batch=1, seq=256)
+    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p))
+    layer_fwd = sum(o.fwd_s for o in p.ops if o.region.startswith("layers."))
+    assert _recompute_s(p, plan) == pytest.approx(layer_fwd, rel=1e-12)
+    assert any(k.endswith(":down") for k in plan.replay) and any(k.endswith(":add") for k in plan.replay)
+    needed = {p.ops[i].key for a in p.activations if plan.decision[a.key] is Decision.RECOMPUTE for i in a.producers}
+    assert not needed >= set(plan.replay)  # the replay is more than the tensors need
+
+
+def test_megatron_selective_replays_the_attention_over_v_matmul(small_bert, a100):
+    p = small_bert
+    plan = PLANNERS["megatron-selective"](p, a100, resolve_budget(0.9, p))
+    core = [o for o in p.ops if o.key.rsplit(":", 1)[-1] in ("scores", "softmax", "attn_dropout", "av")]
+    assert {o.key for o in core} == set(plan.replay)
+    assert _recompute_s(p, plan) == pytest.approx(sum(o.fwd_s for o in core), rel=1e-12)
+
+
+def test_a_plan_without_replay_keeps_its_json_and_one_with_it_round_trips(small_bert, a100):
+    from slackswap_ds.errors import PlanError
+    from slackswap_ds.plan import Plan
+
+    p = small_bert
+    plain = PLANNERS["slackswap"](p, a100, resolve_budget(0.5, p))
+    assert "replay" not in plain.to_json()
+    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p))
+    back = Plan.from_json(plan.to_json())
+    assert back == plan and back.digest == plan.digest and back.replay
+    with pytest.raises(PlanError, match="replay names 1 op"):
+        Plan.build(p, plan.decision, budget_bytes=1, hardware_digest="", planner="x", replay=("nope:0:op",))
+
+
+def test_release_keeps_every_drop_the_model_budget_does_not_need(a100):
+    # Among plans that meet the budget, prefer the one that drops least: a greedy planner overshoots,
+    # an exact one leaves free swaps in. Start from dropping everything possible.
+    from slackswap_ds.planners.common import RegionModel, model_peak, release
+
+    p = workload("gpt2-xl", a100, layers=6, micro_batch=2)
+    model = RegionModel(p, a100)
+    everything = {a.key: Decision.RECOMPUTE if a.recomputable else Decision.SWAP for a in p.activations}
+    for frac in (0.3, 0.5, 0.95):
+        target = resolve_budget(frac, p)
+        dec = release(model, everything, target)
+        assert model_peak(model, dec) <= target
+        for a in p.activations:  # no single drop left could be kept within the target
+            if dec[a.key] is not Decision.KEEP and a.bytes:
+                assert model_peak(model, {**dec, a.key: Decision.KEEP}) > target, (frac, a.key)
+    assert release(model, everything, 1) == everything  # a target nothing meets: left as given
+
+
+def test_the_optimal_plan_drops_nothing_its_model_budget_does_not_need(a100):
+    from slackswap_ds.planners.common import RegionModel, model_peak
+    from slackswap_ds.planners.optimal import solve_optimal
+
+    p = workload("gpt2-xl", a100, layers=6, micro_batch=2)
+    res = solve_optimal(p, a100, resolve_budget(0.5, p))
+    dec, target, model = res.plan.decision, res.last.model_budget_bytes, RegionModel(p, a100)
+    for a in p.activations:
+        if dec[a.key] is not Decision.KEEP and a.bytes:
+            assert model_peak(model, {**dec, a.key: Decision.KEEP}) > target, a.key
+
+
+def test_the_milp_returns_its_solves_in_the_result():
+    from slackswap_ds.hardware import load_hardware
+    from slackswap_ds.planners.milp import MilpOptions
+    from slackswap_ds.planners.optimal import solve_optimal
+
+    hw = load_hardware("a100-80g-pcie4")
+    p = workload("bert-large", hw, layers=3, micro_batch=2, seq=128)
+    budget = resolve_budget(0.5, p)
+    res = solve_optimal(p, hw, budget, options=MilpOptions(time_limit_s=10.0, mip_rel_gap=0.0))
+    assert res.plan.planner == "optimal" and res.solves
+    last = res.last
+    assert last.model_budget_bytes <= budget and 0 <= last.bound_s <= last.objective_s + 1e-12
+    assert last.gap == pytest.approx(0.0, abs=1e-6)  # a zero-gap solve is proven optimal
+    assert _recompute_s(p, res.plan) <= last.objective_s + 1e-12  # giving drops back never costs time
