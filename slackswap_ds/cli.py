@@ -1,7 +1,8 @@
 """The ``slackswap`` command.
 
-    slackswap simulate [--workload W ...] [--budget B ...] [--hardware H | --node N] [--planner P ...]
-                       [--seq S] [--micro-batch M] [--layers L] [--json] [--trace FILE] [--plot FILE]
+    slackswap simulate [--workload W ... | --model config.json ...] [--budget B ...] [--hardware H | --node N]
+                       [--planner P ...] [--seq S] [--micro-batch M] [--layers L] [--tp T [--sp]]
+                       [--json] [--trace FILE] [--plot FILE]
     slackswap plan --workload W --budget B [--hardware H | --node N] [--planner P] -o plan.json
 
 A budget is a fraction of the keep-all activation peak (``0.5``, ``50%``) or a byte size (``12GiB``,
@@ -28,7 +29,7 @@ from .plan import Decision, Plan, lower
 from .planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, resolve_budget
 from .profile import StepProfile
 from .simulator import SimResult, simulate, simulate_node
-from .workloads import PRESETS, workload, workload_names
+from .workloads import PRESETS, ModelSpec, Parallel, transformer_profile, workload_names
 
 DEFAULT_WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
 DEFAULT_HARDWARE = "a100-80g-pcie4"
@@ -186,6 +187,61 @@ def _overrides(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
+@dataclass(frozen=True)
+class Workload:
+    """One model to simulate: a preset (by name) or a user's Hugging Face config (`--model`)."""
+
+    name: str
+    spec: ModelSpec
+    preset: bool
+    overridden: bool
+
+    def profile(self, hw: Hardware, par: Parallel) -> StepProfile:
+        return transformer_profile(self.spec, hw, par)
+
+
+def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workload]:
+    """The presets named by --workload (or `default` when neither --workload nor --model is given),
+    then each --model config, every one with the shape overrides applied. Errors before any work."""
+    import dataclasses
+
+    overrides = _overrides(args)
+    given = getattr(args, "workload", None)
+    names = _names([given] if isinstance(given, str) else given)
+    models = getattr(args, "model", None) or []
+    if not names and not models:
+        names = list(default)
+    if names == ["all"]:
+        names = workload_names()
+    out = []
+    for n in names:
+        if n not in PRESETS:
+            raise UnknownNameError("workload", n, workload_names())
+        spec = PRESETS[n]
+        changed = {k: v for k, v in overrides.items() if getattr(spec, k) != v}
+        if changed:
+            spec = dataclasses.replace(spec, name=f"{n}[" + ",".join(f"{k}={changed[k]}" for k in sorted(changed)) + "]",
+                                       **changed)
+        out.append(Workload(n, spec, True, bool(changed)))
+    for path in models:
+        from .model_config import spec_from_hf_config
+
+        if args.seq is None or args.micro_batch is None:
+            raise SlackSwapError(f"--model {path}: give --seq and --micro-batch too (a config.json holds the "
+                                 f"model, not the shape of its training batches)")
+        spec = spec_from_hf_config(path, seq=args.seq, micro_batch=args.micro_batch)
+        if args.layers is not None:
+            spec = dataclasses.replace(spec, layers=args.layers)
+        out.append(Workload(spec.name, spec, False, False))
+    return out
+
+
+def _parallel(args: argparse.Namespace) -> Parallel:
+    if getattr(args, "sp", False) and getattr(args, "tp", 1) == 1:
+        raise SlackSwapError("--sp (sequence parallelism) splits along the tensor-parallel group: give --tp > 1")
+    return Parallel(getattr(args, "tp", 1) or 1, bool(getattr(args, "sp", False)))
+
+
 def _internal_error(what: str, e: BaseException) -> None:
     """Not a user error: say so on stderr (with the traceback when SLACKSWAP_DEBUG is set)."""
     print(f"slackswap: internal error in {what}: {type(e).__name__}: {e} (row marked 'error'"
@@ -257,16 +313,19 @@ def _format_row(row: dict) -> str:
     ])
 
 
-def _header(name: str, profile_name: str, target: Target, overrides: dict, ka: SimResult, budget: Budget,
+def _header(wl: Workload, profile_name: str, target: Target, par: Parallel, ka: SimResult, budget: Budget,
             budget_bytes: int) -> list[str]:
-    spec = PRESETS[name]
-    shape = {"seq": spec.seq, "micro_batch": spec.micro_batch, "layers": spec.layers, **overrides}
+    spec = wl.spec
     where = (f"{target.node.name} ({target.node.gpus}x {target.hw.name}, slowest rank)" if target.node
              else target.hw.name)
-    src = short_source(name) + (" (shape overridden)" if overrides else "")
+    if wl.preset:
+        src = short_source(wl.name) + (" (shape overridden)" if wl.overridden else "")
+    else:
+        src = spec.source.split(";")[0]
+    cut = "" if par == Parallel() else f", one rank of tp {par.tp}{' with sequence parallelism' if par.sp else ''}"
     lines = [
-        f"{profile_name} on {where}: seq {shape['seq']}, micro-batch {shape['micro_batch']}, "
-        f"{shape['layers']} layers; source: {src}",
+        f"{profile_name} on {where}: seq {spec.seq}, micro-batch {spec.micro_batch}, "
+        f"{spec.layers} layers{cut}; source: {src}",
         f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak {_gb(ka.peak_bytes)}, "
         f"budget {_gb(budget_bytes)} ({budget_bytes:,} B = {budget_bytes / ka.peak_bytes:.0%} of keep-all)"
         if ka.peak_bytes else f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak 0 B, budget {budget_bytes:,} B",
@@ -287,21 +346,18 @@ def _paper_line(name: str, budget: Budget, rows: list[dict], hardware: str) -> s
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    names = _names(args.workload) or list(DEFAULT_WORKLOADS)
-    if names == ["all"]:
-        names = workload_names()
+    if _is_job(args):
+        return cmd_simulate_job(args)
     planners = _names(args.planner) or list(PLANNERS)
     budgets = list(dict.fromkeys(args.budget or [parse_budget("0.5")]))
     # Validate every name before any work, so a typo fails at once.
-    for n in names:
-        if n not in PRESETS:
-            raise UnknownNameError("workload", n, workload_names())
+    workloads = _workloads(args, DEFAULT_WORKLOADS)
     for p in planners:
         get_planner(p)
     target = _load_target(args.hardware, args.node)
-    overrides = _overrides(args)
+    par = _parallel(args)
 
-    combos = len(names) * len(budgets)
+    combos = len(workloads) * len(budgets)
     progress = combos > PROGRESS_ABOVE
     rows: list[dict] = []
     trace_res: SimResult | None = None
@@ -310,8 +366,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     trace_title = ""
     done = 0
     out = sys.stdout
-    for wi, name in enumerate(names):
-        profile = workload(name, target.hw, **overrides)
+    for wi, wl in enumerate(workloads):
+        name = wl.name
+        profile = wl.profile(target.hw, par)
         ka = keep_all_result(profile, target.hw)
         for bi, budget in enumerate(budgets):
             t0 = time.perf_counter()
@@ -352,10 +409,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 print(f"[{done}/{combos}] {name} budget {budget}: {len(planners)} planners in "
                       f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
             if not args.json:
-                print("\n".join(_header(name, profile.name, target, overrides, ka, budget, budget_bytes)), file=out)
+                print("\n".join(_header(wl, profile.name, target, par, ka, budget, budget_bytes)), file=out)
                 for row in group:
                     print(_format_row(row), file=out)
-                paper = _paper_line(name, budget, group, target.name) if not overrides else None
+                plain = wl.preset and not wl.overridden and par == Parallel()
+                paper = _paper_line(name, budget, group, target.name) if plain else None
                 if paper:
                     print(paper, file=out)
                 for row in group:
@@ -386,11 +444,111 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return rc
 
 
+# ---- a whole job: pipeline stages, data parallelism, ZeRO -----------------------------------------
+JOB_PLANNERS = ("slackswap", "full-recompute", "megatron-selective", "offload-all")  # the MILP is slow on whole stages
+DEFAULT_JOB_NODE = "dgx-a100"
+
+
+def _is_job(args: argparse.Namespace) -> bool:
+    return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer) != (1, 1, 0, 1, False)
+
+
+def cmd_simulate_job(args: argparse.Namespace) -> int:
+    """One step of a job cut across GPUs (`pipeline.simulate_job`): per planner, the step time
+    against the keep-all ideal, and per stage its peak, budget and plan."""
+    from .pipeline import Job, ideal_step_s, simulate_job
+
+    if args.hardware is not None and args.node is None:
+        raise SlackSwapError("--pp/--dp/--zero simulate a job across nodes: give --node (e.g. dgx-a100), not --hardware")
+    if args.trace or args.plot:
+        raise SlackSwapError("--trace and --plot are for single-rank steps; not with --pp/--dp/--zero")
+    node = load_node(args.node or DEFAULT_JOB_NODE)
+    planners = _names(args.planner) or list(JOB_PLANNERS)
+    for p in planners:
+        get_planner(p)
+    budgets = list(dict.fromkeys(args.budget or [parse_budget("0.5")]))
+    par = _parallel(args)
+    rows, out = [], sys.stdout
+    for wl in _workloads(args, ("llama-70b",)):
+        job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer)
+        ideal = ideal_step_s(job, node)
+        for budget in budgets:
+            if not budget.is_fraction:
+                raise SlackSwapError("with --pp a budget is a fraction of each stage's keep-all peak (e.g. 0.5)")
+            results = []
+            for planner in planners:
+                try:
+                    with native_stdout_to_stderr():
+                        results.append((planner, simulate_job(job, node, budget.value, planner, ideal_s=ideal), None))
+                except BudgetInfeasibleError as e:
+                    results.append((planner, None, str(e)))
+            rows += [_job_row(wl, job, node, budget, planner, res, err, ideal) for planner, res, err in results]
+            if not args.json:
+                print("\n".join(_job_table(wl, job, node, budget, results, ideal)), file=out, flush=True)
+    if args.json:
+        json.dump(rows, out, indent=1)
+        out.write("\n")
+    return 0
+
+
+def _job_row(wl: Workload, job, node: Node, budget: Budget, planner: str, res, err: str | None, ideal: float) -> dict:
+    row = {"workload": wl.name, "node": node.name, "tp": job.par.tp, "sp": job.par.sp, "pp": job.pp, "dp": job.dp,
+           "zero": job.zero, "micro_batches": job.micro_batches, "offload_optimizer": job.offload_optimizer,
+           "budget": budget.json_value, "planner": planner, "ideal_s": ideal, "feasible": res is not None}
+    if res is None:
+        return {**row, "error": err}
+    return {**row, "step_s": res.step_s, "throughput_pct": 100 * res.throughput, "pipeline_s": res.pipeline_s,
+            "grad_comm_s": res.grad_comm_s, "optimizer_s": res.optimizer_s,
+            "stages": [{"stage": s.stage, "layers": [s.layers.start, s.layers.stop], "in_flight": s.in_flight,
+                        "keep_all_bytes": s.keep_all_bytes, "budget_bytes": s.budget_bytes, "peak_bytes": res.peaks[i],
+                        "kept_bytes": s.kept_bytes, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
+                        "swapped_bytes": s.plan.bytes_by_decision(s.profile)[Decision.SWAP],
+                        "recompute_s": s.result.recompute_s, "plan_digest": s.plan.digest}
+                       for i, s in enumerate(res.stages)]}
+
+
+def _job_table(wl: Workload, job, node: Node, budget: Budget, results: list, ideal: float) -> list[str]:
+    cut = f"tp {job.par.tp}{' + sp' if job.par.sp else ''}, pp {job.pp}, dp {job.dp}, zero {job.zero}" + \
+        (" with optimizer offload" if job.offload_optimizer else "")
+    lines = [f"{wl.spec.name} on {node.name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
+             f"{wl.spec.micro_batch} x {wl.spec.seq} per step and pipeline, 1F1B",
+             f"  ideal step {ideal:.3f} s (every activation kept); budget {budget} of each stage's keep-all peak",
+             f"  {'planner':<20}{'thru %':>8}{'step s':>9}{'1F1B s':>9}{'grads s':>9}{'optim s':>9}{'worst peak/budget':>19}"]
+    for planner, res, err in results:
+        if res is None:
+            lines.append(f"  {planner:<20}{'-':>8}  infeasible: {err}")
+            continue
+        worst = max(p / s.budget_bytes for p, s in zip(res.peaks, res.stages))
+        lines.append(f"  {planner:<20}{100 * res.throughput:>8.1f}{res.step_s:>9.3f}{res.pipeline_s:>9.3f}"
+                     f"{res.grad_comm_s:>9.3f}{res.optimizer_s:>9.3f}{worst:>19.3f}")
+    for planner, res, _ in results:
+        if res is None or planner != results[0][0]:
+            continue
+        lines.append(f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, recompute):")
+        lines.append("    stage  layers   in-flight  keep-all GB  budget GB  peak GB  kept GB/mb  swap GB/mb  "
+                     "recomp ms  fwd ms  bwd ms  plan")
+        for i, s in enumerate(res.stages):
+            swap = s.plan.bytes_by_decision(s.profile)[Decision.SWAP]
+            lines.append(f"    {i:>5}  {s.layers.start:>3}-{s.layers.stop - 1:<3}  {s.in_flight:>9}  "
+                         f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  {res.peaks[i] / GB:>7.2f}  "
+                         f"{s.kept_bytes / GB:>10.2f}  {swap / GB:>10.2f}  {s.result.recompute_s * 1e3:>9.1f}  "
+                         f"{s.fwd_s * 1e3:>6.1f}  {s.bwd_s * 1e3:>6.1f}  {s.plan.digest[:12]}")
+    lines.append("")
+    return lines
+
+
 # ---- plan --------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
     get_planner(args.planner)
+    if _is_job(args):
+        raise SlackSwapError("slackswap plan makes one rank's plan; for a job across stages use slackswap simulate --pp")
+    if args.workload is None and not args.model:
+        raise SlackSwapError("give --workload W or --model config.json")
+    if args.workload is not None and args.model:
+        raise SlackSwapError("give --workload or --model, not both (a plan is for one model)")
+    (wl,) = _workloads(args, ())
     target = _load_target(args.hardware, args.node)
-    profile = workload(args.workload, target.hw, **_overrides(args))
+    profile = wl.profile(target.hw, _parallel(args))
     ka = keep_all_result(profile, target.hw)
     budget_bytes = args.budget.resolve(profile)
     with native_stdout_to_stderr():
@@ -433,12 +591,26 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seq", type=_positive_int, metavar="S", help="override the sequence length")
         p.add_argument("--micro-batch", type=_positive_int, metavar="M", help="override the micro-batch size")
         p.add_argument("--layers", type=_positive_int, metavar="L", help="override the number of layers")
+        p.add_argument("--tp", type=_positive_int, default=1, metavar="T",
+                       help="tensor-parallel degree: simulate one rank of a Megatron-style T-way cut (default 1)")
+        p.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (Korthikanti et al.)")
+        p.add_argument("--pp", type=_positive_int, default=1, metavar="P",
+                       help="pipeline stages (1F1B); with --pp/--dp/--zero, simulate a whole job on --node")
+        p.add_argument("--dp", type=_positive_int, default=1, metavar="D", help="data-parallel replicas (default 1)")
+        p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="DeepSpeed ZeRO stage (default 0)")
+        p.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",
+                       help="micro-batches per step and pipeline (gradient accumulation; default 1)")
+        p.add_argument("--offload-optimizer", action="store_true",
+                       help="ZeRO-Offload: optimizer state and step on the CPU (needs --zero 1 or 2)")
 
     sim = sub.add_parser("simulate", help="simulate planners on workloads and compare throughput",
                          description="Plan and simulate one training step per (workload, budget, planner).")
     sim.add_argument("--workload", "-w", action="extend", nargs="+", metavar="W",
                      help=f"workload preset(s) (default {' '.join(DEFAULT_WORKLOADS)}; 'all' or any of "
                           f"{', '.join(workload_names())})")
+    sim.add_argument("--model", action="append", metavar="CONFIG",
+                     help="a Hugging Face config.json (or its folder) to simulate, with --seq and --micro-batch; "
+                          "families: gpt2, bert, llama, mistral, qwen2, mixtral")
     sim.add_argument("--budget", "-b", action="extend", nargs="+", type=parse_budget, metavar="B",
                      help="activation budget(s): a fraction of the keep-all peak (0.5, 50%%) or a size "
                           "(12GiB, 16GB, 8e9); default 0.5")
@@ -453,8 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plan", help="make a plan and write it as JSON",
                         description="Make one plan for a workload and budget and write it (Plan JSON).")
-    pl.add_argument("--workload", "-w", required=True, metavar="W",
-                    help=f"workload preset ({', '.join(workload_names())})")
+    pl.add_argument("--workload", "-w", metavar="W", help=f"workload preset ({', '.join(workload_names())})")
+    pl.add_argument("--model", action="append", metavar="CONFIG",
+                    help="instead of --workload: a Hugging Face config.json, with --seq and --micro-batch")
     pl.add_argument("--budget", "-b", required=True, type=parse_budget, metavar="B",
                     help="activation budget: fraction of the keep-all peak or a size (12GiB)")
     pl.add_argument("--planner", "-p", default="slackswap", metavar="P",

@@ -75,13 +75,18 @@ def node_layout(comm=None, ranks_per_node: int | None = None) -> tuple[Layout, o
 
 
 def shares_of(facts: Sequence[RankFacts], hw: Hardware, uplink_bps: float,
-              host_pool_bytes_per_node: int | None) -> list[Share]:
-    """Every rank's Share, in rank order: `split_node` over the ranks of each node."""
+              host_pool_bytes_per_node: int | None, pinned_per_rank: int = 0) -> list[Share]:
+    """Every rank's Share, in rank order: `split_node` over the ranks of each node, of the node's
+    pool net of what each of its ranks pins for something else (`pinned_per_rank`: ZeRO-Offload's
+    optimizer state)."""
     shares: list[Share | None] = [None] * len(facts)
     for node in dict.fromkeys(f.node for f in facts):
         ranks = [r for r, f in enumerate(facts) if f.node == node]
+        pool = host_pool_bytes_per_node
+        if pool is not None:
+            pool = max(0, pool - pinned_per_rank * len(ranks))
         per_rank = split_node([facts[r].uplink for r in ranks], [facts[r].demand for r in ranks], hw, uplink_bps,
-                               host_pool_bytes_per_node)
+                              pool)
         for r, s in zip(ranks, per_rank):
             shares[r] = s
     return shares

@@ -592,12 +592,30 @@ class SlackSwapRuntime:
                 + "; ".join(f"rank {r}: {step}" for r, step in sorted(others.items()))
                 + ". Data-parallel replicas must run the same model on the same input shapes at each step "
                   "(pad variable-length batches to a common length, e.g. with slackswap_ds.pad_to_multiple)")
-        shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node)
+        pinned = _zero_offload_pinned_bytes(self.engine)
+        shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node, pinned or 0)
+        if pinned is not None:  # every replica runs the same ZeRO config: the same link penalty for all
+            shares = [s.beside_zero_offload(self.hw, 0) for s in shares]
+            log.info("slackswap: ZeRO-Offload copies gradients to the host during backward and pins %.2f GB of "
+                     "optimizer state per rank: plans prefetch at the duplex rate (%.1f GB/s) and share only "
+                     "what the node's pool has left", pinned / 1e9, shares[channel.rank].h2d(self.hw) / 1e9)
         self.share, self.plan_share, self.rank0_share = shares[channel.rank], tightest(shares), shares[0]
         node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
         self.node_ranks = len(node_ranks)
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
                   facts.node, node_ranks, facts.uplink, self.topology.source, self.share, self.plan_share)
+
+
+def _zero_offload_pinned_bytes(engine) -> int | None:
+    """Host bytes DeepSpeed's ZeRO-Offload pins for this rank's optimizer state (fp32 master, m, v and
+    gradient of its 1/dp partition: 16 B per parameter), or None without optimizer offload."""
+    offloads = getattr(engine, "zero_cpu_offload", None)
+    if offloads is None or not offloads():
+        return None
+    from .pipeline import PINNED_OPTIMIZER_BYTES_PER_PARAM
+
+    params = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    return params // max(1, int(getattr(engine, "dp_world_size", 1))) * PINNED_OPTIMIZER_BYTES_PER_PARAM
 
 
 # tried, fastest first by simulation, when the configured planner finds no plan within the budget:

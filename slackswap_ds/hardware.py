@@ -3,10 +3,24 @@
 Presets live in ``configs/hardware/*.json``. Every parameter there carries its value, its source and
 a status (datasheet / measured / derived / unmeasured), so a reader can see which numbers are facts
 and which are assumptions. Nothing in this module invents a number.
+
+Besides scalars, a GPU preset may carry measured *curves* (``"curves"``: points read from a published
+benchmark, each with its source), interpolated linearly in log(x) and held flat beyond the ends:
+
+* ``gemm_flops``: x = FLOPs of one GEMM call, y = the FLOP/s it achieves. Small GEMMs do not fill the
+  GPU; one constant efficiency would over-predict small models and cap large ones. A preset gives
+  either this curve or the scalar ``matmul_efficiency``, never both.
+* ``flash_attention_flops``: x = FLOPs of one fused attention kernel, y = FLOP/s (FlashAttention runs
+  well below GEMM speed); without it, fused attention runs at the GEMM curve's speed.
+* ``allreduce_busbw``: x = message bytes, y = NCCL all-reduce *bus* bandwidth among the GPUs of one
+  NVLink/NVSwitch board (nccl-tests' busbw: time = bytes * 2(n-1)/n / busbw for an all-reduce,
+  bytes * (n-1)/n / busbw for an all-gather or reduce-scatter of the full buffer). Needed only by
+  tensor parallelism.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import json
@@ -29,6 +43,32 @@ def hardware_dir() -> Path:
 
 
 @dataclass(frozen=True)
+class Curve:
+    """Measured (x, y) points, interpolated linearly in log(x), flat beyond the first and last point."""
+
+    points: tuple[tuple[float, float], ...]
+
+    def __post_init__(self) -> None:
+        xs = [x for x, _ in self.points]
+        if not self.points or any(x <= 0 or y <= 0 for x, y in self.points) or xs != sorted(set(xs)):
+            raise ValueError("a curve needs points with x > 0 strictly increasing and y > 0")
+
+    def at(self, x: float) -> float:
+        pts = self.points
+        if x <= pts[0][0]:
+            return pts[0][1]
+        if x >= pts[-1][0]:
+            return pts[-1][1]
+        i = bisect.bisect_right([p[0] for p in pts], x)
+        (x0, y0), (x1, y1) = pts[i - 1], pts[i]
+        w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return y0 + w * (y1 - y0)
+
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+@dataclass(frozen=True)
 class Hardware:
     """One GPU and its host link. Rates are bytes/s or FLOP/s as achieved, unless a source says peak."""
 
@@ -44,6 +84,9 @@ class Hardware:
     copy_latency_s: float  # fixed cost per copy
     description: str = ""
     sources: tuple[tuple[str, str], ...] = ()
+    gemm_flops: Curve | None = None  # achieved FLOP/s by GEMM size; replaces matmul_efficiency
+    allreduce_busbw: Curve | None = None  # NCCL bus bandwidth by message size on the NVLink board
+    flash_attention_flops: Curve | None = None  # achieved FLOP/s of fused attention kernels
 
     @classmethod
     def instant_copies(cls) -> "Hardware":
@@ -52,18 +95,49 @@ class Hardware:
         return cls("instant-copies", 1.0, 1.0, math.inf, math.inf, math.inf, math.inf, math.inf, math.inf, 0.0,
                    description="zero-time copies (CPU accelerator, synchronous path)")
 
-    @property
-    def matmul_flops(self) -> float:
+    def gemm_rate(self, flops: float) -> float:
+        """FLOP/s that one GEMM call of `flops` achieves: the measured curve, else peak x efficiency."""
+        if self.gemm_flops is not None:
+            return self.gemm_flops.at(flops)
         return self.peak_flops * self.matmul_efficiency
+
+    def gemm_s(self, flops: float) -> float:
+        return flops / self.gemm_rate(flops) if flops > 0 else 0.0
+
+    def attention_s(self, flops: float) -> float:
+        """Seconds of one fused (flash) attention kernel of `flops`."""
+        if self.flash_attention_flops is None:
+            return self.gemm_s(flops)
+        return flops / self.flash_attention_flops.at(flops) if flops > 0 else 0.0
+
+    def collective_s(self, kind: str, nbytes: float, ranks: int) -> float:
+        """Seconds of one NCCL collective over `ranks` GPUs of the NVLink board; `nbytes` is the
+        whole buffer (an all-gather's output, a reduce-scatter's input), as nccl-tests counts it."""
+        if ranks <= 1 or nbytes <= 0:
+            return 0.0
+        if self.allreduce_busbw is None:
+            raise ValueError(f"hardware {self.name!r} has no allreduce_busbw curve: tensor-parallel "
+                             f"collectives cannot be timed on it")
+        if kind not in COLLECTIVES:
+            raise ValueError(f"unknown collective {kind!r}; valid: {list(COLLECTIVES)}")
+        factor = (2.0 if kind == "all_reduce" else 1.0) * (ranks - 1) / ranks
+        # The curve is all-reduce busbw; nccl-tests' busbw is defined so that it is the same link
+        # rate for every collective, so all-gather and reduce-scatter read the same curve.
+        return nbytes * factor / self.allreduce_busbw.at(nbytes)
 
     def params(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _GPU_PARAMS}
 
     @cached_property
     def digest(self) -> str:
-        return _digest({"kind": "gpu", "name": self.name, **self.params()})
+        curves = {k: [list(p) for p in c.points] for k, c in self.curves().items()}
+        return _digest({"kind": "gpu", "name": self.name, **self.params(), **({"curves": curves} if curves else {})})
+
+    def curves(self) -> dict[str, Curve]:
+        return {k: getattr(self, k) for k in _CURVES if getattr(self, k) is not None}
 
 
+_CURVES = ("gemm_flops", "allreduce_busbw", "flash_attention_flops")
 _GPU_PARAMS = (
     "peak_flops matmul_efficiency hbm_bytes hbm_bps d2h_bps h2d_bps duplex_d2h_bps duplex_h2d_bps copy_latency_s"
 ).split()
@@ -82,6 +156,7 @@ class Node:
     switch_uplink_bps: float  # per direction, shared by the switch's GPUs
     socket_mem_bps: float  # host memory bandwidth of one socket, both directions together
     host_bytes: float
+    internode_busbw: float = math.inf  # NCCL bus bandwidth of one GPU's own network link to other nodes
     description: str = ""
     sources: tuple[tuple[str, str], ...] = ()
 
@@ -114,7 +189,8 @@ class Node:
         )
 
 
-_NODE_PARAMS = "gpus gpus_per_switch switches_per_socket switch_uplink_bps socket_mem_bps host_bytes".split()
+_NODE_PARAMS = ("gpus gpus_per_switch switches_per_socket switch_uplink_bps socket_mem_bps host_bytes "
+                "internode_busbw").split()
 _INT_NODE_PARAMS = {"gpus", "gpus_per_switch", "switches_per_socket"}
 
 
@@ -198,11 +274,44 @@ def _params(data: dict, path: Path, expected: list[str], ints: set[str] = frozen
 def load_hardware(name_or_path: str | Path) -> Hardware:
     """A GPU preset by name (see `preset_names("gpu")`) or a path to a hardware JSON file."""
     data, path = _read(name_or_path, "gpu")
-    values, sources = _params(data, path, _GPU_PARAMS)
+    curves, curve_sources = _curves(data, path)
+    expected = [k for k in _GPU_PARAMS if not (k == "matmul_efficiency" and "gemm_flops" in curves)]
+    if "gemm_flops" in curves and "matmul_efficiency" in (data.get("params") or {}):
+        raise InvalidFileError(f"hardware file {str(path)!r}: give the gemm_flops curve or matmul_efficiency, "
+                               f"not both (one owner for matmul speed)")
+    values, sources = _params(data, path, expected)
+    values.setdefault("matmul_efficiency", math.nan)  # unused: the curve gives GEMM speed
     if values["matmul_efficiency"] > 1:
         raise InvalidFileError(f"hardware file {str(path)!r}: matmul_efficiency must be in (0, 1]")
     return Hardware(name=str(data.get("name", path.stem)), description=str(data.get("description", "")),
-                    sources=sources, **values)
+                    sources=sources + curve_sources, **values, **curves)
+
+
+def _curves(data: dict, path: Path) -> tuple[dict[str, Curve], tuple[tuple[str, str], ...]]:
+    raw = data.get("curves", {})
+    if not isinstance(raw, dict):
+        raise InvalidFileError(f"hardware file {str(path)!r}: \"curves\" must be an object")
+    problems, curves, sources = [], {}, []
+    for k, entry in raw.items():
+        if k not in _CURVES:
+            problems.append(f"unknown curve {k!r} (valid: {list(_CURVES)})")
+            continue
+        if not isinstance(entry, dict) or not {"points", "source", "status"} <= set(entry):
+            problems.append(f"curve {k!r} must be an object with points, source and status")
+            continue
+        try:
+            curves[k] = Curve(tuple((float(x), float(y)) for x, y in entry["points"]))
+        except (TypeError, ValueError) as e:
+            problems.append(f"curve {k!r}: points must be [x, y] pairs, x strictly increasing, all > 0 ({e})")
+            continue
+        if entry["status"] not in STATUSES:
+            problems.append(f"curve {k!r}: status must be one of {list(STATUSES)}, got {entry['status']!r}")
+        if not str(entry["source"]).strip():
+            problems.append(f"curve {k!r}: empty source")
+        sources.append((k, f"{entry['status']}: {entry['source']}"))
+    if problems:
+        raise InvalidFileError(f"hardware file {str(path)!r}: " + "; ".join(problems))
+    return curves, tuple(sources)
 
 
 def load_node(name_or_path: str | Path) -> Node:

@@ -56,6 +56,7 @@ class SimResult:
     events: tuple[SimEvent, ...] = ()
     memory: tuple[tuple[int, float, int], ...] = ()  # (gpu, time, device activation bytes)
     per_gpu: tuple["SimResult", ...] = field(default=(), repr=False)
+    fwd_s: float = math.nan  # when the last forward op ended (the step's forward part, stalls included)
 
     @property
     def feasible(self) -> bool:
@@ -120,6 +121,7 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
     peak = [0] * n
     moved = [[0, 0] for _ in range(n)]
     rec_s = [0.0] * n
+    fwd_end = [0.0] * n
     finish = list(start)  # a GPU with nothing to do ends when it starts
     events: list[SimEvent] = []
     memory: list[tuple[int, float, int]] = [(g, 0.0, 0) for g in range(n)] if record else []
@@ -221,6 +223,8 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
                     moved[g][s - 1] += ins.nbytes
                 elif ins.kind is Kind.RECOMPUTE:
                     rec_s[g] += ins.seconds
+                elif ins.kind is Kind.FWD:
+                    fwd_end[g] = t
                 done[g][iid] = 1
                 heads[g][s] += 1
                 waiting_since[g][s] = t
@@ -238,7 +242,7 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
         return SimResult(
             step_s=finish[g], ideal_s=ideal_s, peak_bytes=peak[g], budget_bytes=budgets[g],
             stall_s={STREAMS[s]: stall[g][s] for s in range(3)}, bytes_d2h=moved[g][0], bytes_h2d=moved[g][1],
-            recompute_s=rec_s[g],
+            recompute_s=rec_s[g], fwd_s=fwd_end[g],
         )
 
     per = tuple(result(g) for g in range(n))
@@ -249,6 +253,7 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
         step_s=finish[worst], ideal_s=ideal_s, peak_bytes=head.peak_bytes, budget_bytes=head.budget_bytes,
         stall_s=per[worst].stall_s, bytes_d2h=sum(m[0] for m in moved), bytes_h2d=sum(m[1] for m in moved),
         recompute_s=max(rec_s), events=tuple(events), memory=tuple(memory), per_gpu=per if n > 1 else (),
+        fwd_s=fwd_end[worst],
     )
 
 

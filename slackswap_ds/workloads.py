@@ -15,19 +15,28 @@ layer, ``head`` (final norm, LM head over the full vocabulary, cross-entropy). O
 
 Timing model (a roofline; every constant comes from the `Hardware` preset)
 ------------------------------------------------------------------------
-* Matmul ops (linear layers, QK^T, probs·V, LM head): forward time =
-  ``max(flops / hw.matmul_flops, bytes / hw.hbm_bps)`` with ``bytes`` = the input, weight (or second
-  operand) and output, each read or written once. Backward runs two matmuls of the same shape (input
-  grad and weight grad), so it has exactly 2x the forward FLOPs and 2x the bytes: 2x the time.
-* FlashAttention: one fused op. Forward FLOPs ``4·b·s²·h`` (QK^T and P·V) at matmul efficiency, bytes =
-  q, k, v, output and the fp32 log-sum-exp; backward ``2.5x`` the forward FLOPs (it recomputes the
-  scores) and reads q, k, v, o, dO, lse and writes dq, dk, dv.
+* Matmul ops (linear layers, QK^T, probs·V, LM head): one GEMM call each, forward time =
+  ``max(flops / hw.gemm_rate(flops), bytes / hw.hbm_bps)``, the rate read off the preset's measured
+  GEMM curve (small GEMMs do not fill the GPU) and ``bytes`` = the input, weight (or second operand)
+  and output, each read or written once. Backward runs two GEMMs of the same size (input and weight
+  gradients): 2x the forward FLOPs and bytes, 2x the time.
+* FlashAttention: one fused kernel each way, at the preset's measured attention speed
+  (``hw.attention_s``). Forward FLOPs ``4·b·s²·h`` (QK^T and P·V), bytes = q, k, v, output and the
+  fp32 log-sum-exp; backward ``2.5x`` the forward FLOPs (it recomputes the scores) and reads q, k,
+  v, o, dO, lse and writes dq, dk, dv.
 * Causal masking is counted as no FLOP saving (full ``s²`` scores), for flash and non-flash alike.
 * Elementwise, normalisation, softmax, dropout, RoPE, embedding and cross-entropy ops are HBM-bound:
   time = bytes read + written / ``hw.hbm_bps``, forward and backward each with its own byte count
   (e.g. softmax forward reads x and writes y; backward reads y and dy and writes dx). A residual add's
   backward is charged the gradient sum at the residual fork (read 2, write 1).
-* Parameter reads of norms, biases, optimizer and communication time are not modelled.
+* Tensor parallelism (`Parallel`): collectives are ops of their own on the compute stream (Megatron
+  runs them synchronously), timed by ``hw.collective_s`` from the preset's measured NCCL bus
+  bandwidth; see `Parallel` for which run where.
+* Mixture of experts (``experts`` > 1): a router matmul, softmax + top-k, a dispatch copy of each
+  token to its ``experts_per_token`` experts, the experts' MLPs on the routed copies (every expert's
+  weights read once) and a weighted combine.
+* Parameter reads of norms and biases, the optimizer step and data-parallel communication are not
+  modelled here (the step is one rank's forward and backward of one micro-batch).
 
 Saved bytes (Korthikanti et al., "Reducing Activation Recomputation in Large Transformer Models")
 ------------------------------------------------------------------------------------------------
@@ -78,12 +87,15 @@ class ModelSpec:
     flash: bool  # fused FlashAttention core (no s² tensors saved)
     source: str  # where the dims, seq and micro-batch come from
     rope: bool = False  # rotary position embedding applied to q and k (Llama)
+    experts: int = 1  # mixture of experts: MLPs per layer (1 = a dense MLP)
+    experts_per_token: int = 1  # MLPs each token is routed to (Mixtral: 2 of 8)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
         if not isinstance(self.name, str) or not self.name.strip():
             problems.append(f"name must be a non-empty string, got {self.name!r}")
-        for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "micro_batch"):
+        for f in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq", "micro_batch", "experts",
+                  "experts_per_token"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 problems.append(f"{f} must be a positive integer, got {v!r}")
@@ -92,6 +104,8 @@ class ModelSpec:
                 problems.append(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
             if self.heads % self.kv_heads:
                 problems.append(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            if self.experts_per_token > self.experts:
+                problems.append(f"experts_per_token ({self.experts_per_token}) must be at most experts ({self.experts})")
         if self.ffn_kind not in FFN_KINDS:
             problems.append(f"ffn_kind must be one of {list(FFN_KINDS)}, got {self.ffn_kind!r}")
         if self.norm not in NORMS:
@@ -168,6 +182,27 @@ PRESETS: dict[str, ModelSpec] = {
             "and depth; its micro-batch is used for this Llama-style shape)."
         ),
     ),
+    "gpt3-175b": ModelSpec(
+        name="gpt3-175b", layers=96, hidden=12288, heads=96, kv_heads=96, ffn=49152, ffn_kind="gelu",
+        norm="layernorm", norm_placement="pre", dropout=0.1, vocab=51200, seq=2048, micro_batch=1,
+        dtype_bytes=2, flash=False,
+        source=(
+            "dims: GPT-3 175B (Brown et al. 2020: 96 layers, d 12288, 96 heads, ffn 4d, seq 2048). vocab 51200 "
+            "(Megatron's padded GPT-2 vocabulary), micro-batch 1: Korthikanti et al. 2022 (arXiv 2205.05198), "
+            "Table 3: TP 8, PP 8, 64 GPUs, global batch 64, micro-batch 1, fp16 mixed precision, unfused "
+            "(non-flash) attention with dropout."
+        ),
+    ),
+    "megatron-22b": ModelSpec(
+        name="megatron-22b", layers=48, hidden=6144, heads=64, kv_heads=64, ffn=24576, ffn_kind="gelu",
+        norm="layernorm", norm_placement="pre", dropout=0.1, vocab=51200, seq=2048, micro_batch=4,
+        dtype_bytes=2, flash=False,
+        source=(
+            "Korthikanti et al. 2022 (arXiv 2205.05198), Table 3: 22B GPT, 48 layers, hidden 6144, 64 heads, "
+            "ffn 4h, seq 2048, vocab 51200, TP 8, PP 1, 8 GPUs, global batch 4, micro-batch 4 (Table 4 times one "
+            "of its layers, Table 5 its iteration)."
+        ),
+    ),
     "llama-70b": ModelSpec(
         name="llama-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, ffn_kind="swiglu",
         norm="rmsnorm", norm_placement="pre", dropout=0.0, vocab=32000, seq=2048, micro_batch=8,
@@ -187,8 +222,9 @@ def workload_names() -> list[str]:
     return sorted(PRESETS)
 
 
-def workload(name: str, hardware: Hardware | str, **overrides) -> StepProfile:
-    """The analytic profile of preset `name` on `hardware`; `overrides` replace ModelSpec fields."""
+def workload(name: str, hardware: Hardware | str, parallel: Parallel | None = None, **overrides) -> StepProfile:
+    """The analytic profile of preset `name` on `hardware` (one rank of a `parallel` cut, if given);
+    `overrides` replace ModelSpec fields."""
     if name not in PRESETS:
         raise UnknownNameError("workload", name, workload_names())
     valid = [f.name for f in dataclasses.fields(ModelSpec)]
@@ -201,25 +237,83 @@ def workload(name: str, hardware: Hardware | str, **overrides) -> StepProfile:
         overrides = {**overrides, "name": f"{name}[" + ",".join(f"{k}={changed[k]}" for k in sorted(changed)) + "]"}
     spec = dataclasses.replace(spec, **overrides)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
-    return transformer_profile(spec, hw)
+    return transformer_profile(spec, hw, parallel or Parallel())
+
+
+# ---- parallelism --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Parallel:
+    """How one rank's share of the model is cut (Megatron-LM's tensor and sequence parallelism).
+
+    `tp` ranks split every layer's heads and MLP width, the LM head's vocabulary and its cross-entropy
+    (vocab-parallel); the rest of a layer (norms, dropout, residuals) is replicated on each rank, or
+    with `sp` (sequence parallel) split along the sequence. Collectives per layer (Korthikanti et al.
+    2022, Fig. 5): without SP an all-reduce after the attention projection and after the MLP in
+    forward, and one at each block's input in backward; with SP an all-gather before and a
+    reduce-scatter after each block in forward, the mirror in backward plus the re-gather of each
+    block's saved input (Megatron keeps only the shard of it)."""
+
+    tp: int = 1
+    sp: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ProfileError(f"tp must be a positive integer, got {self.tp!r}")
+        if not isinstance(self.sp, bool):
+            raise ProfileError(f"sp must be True or False, got {self.sp!r}")
+        if self.sp and self.tp == 1:
+            raise ProfileError("sequence parallelism splits along the tensor-parallel group: it needs tp > 1")
+
+    def check(self, spec: ModelSpec) -> None:
+        """Refuse a cut the model does not allow, naming every problem."""
+        t, problems = self.tp, []
+        if spec.heads % t:
+            problems.append(f"heads ({spec.heads}) must be divisible by tp ({t})")
+        if spec.kv_heads % t and t % spec.kv_heads:
+            problems.append(f"kv_heads ({spec.kv_heads}) must divide or be divisible by tp ({t})")
+        if spec.ffn % t:
+            problems.append(f"ffn ({spec.ffn}) must be divisible by tp ({t})")
+        if self.sp and spec.seq % t:
+            problems.append(f"seq ({spec.seq}) must be divisible by tp ({t}) for sequence parallelism")
+        if t > 1 and spec.experts > 1:
+            problems.append("tensor parallelism of mixture-of-experts layers is not modelled")
+        if problems:
+            raise ProfileError(f"cannot cut {spec.name!r} {t} ways: " + "; ".join(problems))
+
+    def to_meta(self) -> dict[str, str]:
+        """Only a cut model says how it is cut: an uncut profile keeps its digest."""
+        return {} if self == Parallel() else {"parallel.tp": str(self.tp), "parallel.sp": str(self.sp)}
 
 
 # ---- the model as hardware-free op costs and saved tensors -------------------------------------
 @dataclass(frozen=True)
 class _Cost:
-    """One forward op before it meets a Hardware: matmul FLOPs and HBM bytes, forward and backward."""
+    """One forward op before it meets a Hardware: its GEMM calls (FLOPs of each), HBM bytes and
+    collectives ((kind, buffer bytes) each), forward and backward."""
 
     key: str
     region: str
-    flops: float  # forward matmul FLOPs (0: HBM-bound op)
-    bytes: float  # forward HBM bytes read + written
-    bwd_flops: float
-    bwd_bytes: float
+    gemms: tuple[float, ...] = ()
+    bytes: float = 0.0
+    bwd_gemms: tuple[float, ...] = ()
+    bwd_bytes: float = 0.0
+    comms: tuple[tuple[str, float], ...] = ()
+    bwd_comms: tuple[tuple[str, float], ...] = ()
+    attention: bool = False  # a fused attention kernel (its own measured speed), not a GEMM
+    params: float = 0.0  # weight elements the op owns on this rank (for gradients and the optimizer)
 
-    def times(self, hw: Hardware) -> tuple[float, float]:
-        fwd = max(self.flops / hw.matmul_flops, self.bytes / hw.hbm_bps)
-        bwd = max(self.bwd_flops / hw.matmul_flops, self.bwd_bytes / hw.hbm_bps)
-        return fwd, bwd
+    @property
+    def flops(self) -> float:
+        return float(sum(self.gemms))
+
+    def times(self, hw: Hardware, tp: int) -> tuple[float, float]:
+        kernel_s = hw.attention_s if self.attention else hw.gemm_s
+
+        def one(gemms, nbytes, comms):
+            compute = max(sum(kernel_s(f) for f in gemms), nbytes / hw.hbm_bps)
+            return compute + sum(hw.collective_s(kind, b, tp) for kind, b in comms)
+
+        return one(self.gemms, self.bytes, self.comms), one(self.bwd_gemms, self.bwd_bytes, self.bwd_comms)
 
 
 @dataclass(frozen=True)
@@ -234,8 +328,8 @@ class _Saved:
 class _Builder:
     """Collects op costs (keys numbered per module, in forward order) and saved tensors."""
 
-    def __init__(self, spec: ModelSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, par: Parallel) -> None:
+        self.spec, self.par = spec, par
         self.B = spec.dtype_bytes
         self.costs: list[_Cost] = []
         self.saved: list[_Saved] = []
@@ -246,28 +340,68 @@ class _Builder:
         self._counters[module] = i + 1
         return f"{module}:{i}:{name}"
 
-    def matmul(self, region: str, module: str, name: str, flops: float, elems: float) -> str:
-        """A matmul touching `elems` elements (input + weight/second operand + output) once each."""
+    def matmul(self, region: str, module: str, name: str, flops: float, elems: float, params: float = 0.0) -> str:
+        """One GEMM call touching `elems` elements (input + weight/second operand + output) once each;
+        `params`: its weight elements (0 for activation x activation products such as QK^T).
+        Backward: two GEMMs of the same FLOPs (input and weight gradients) and twice the bytes."""
         key = self._key(module, name)
         nbytes = elems * self.B
-        self.costs.append(_Cost(key, region, flops, nbytes, 2 * flops, 2 * nbytes))
+        self.costs.append(_Cost(key, region, (flops,), nbytes, (flops, flops), 2 * nbytes, params=params))
         return key
 
-    def fused(self, region: str, module: str, name: str, flops: float, nbytes: float, bwd_flops: float,
-              bwd_bytes: float) -> str:
+    def attention(self, region: str, module: str, name: str, flops: float, nbytes: float, bwd_flops: float,
+                  bwd_bytes: float) -> str:
+        """One fused attention kernel each way (FlashAttention), at the hardware's attention speed."""
         key = self._key(module, name)
-        self.costs.append(_Cost(key, region, flops, nbytes, bwd_flops, bwd_bytes))
+        self.costs.append(_Cost(key, region, (flops,), nbytes, (bwd_flops,), bwd_bytes, attention=True))
         return key
 
     def hbm(self, region: str, module: str, name: str, fwd_bytes: float, bwd_bytes: float) -> str:
         key = self._key(module, name)
-        self.costs.append(_Cost(key, region, 0.0, fwd_bytes, 0.0, bwd_bytes))
+        self.costs.append(_Cost(key, region, (), fwd_bytes, (), bwd_bytes))
+        return key
+
+    def own(self, key: str, params: float) -> None:
+        """Record that op `key` owns `params` weight elements (an embedding table)."""
+        i = next(i for i, c in enumerate(self.costs) if c.key == key)
+        self.costs[i] = dataclasses.replace(self.costs[i], params=params)
+
+    def collective(self, region: str, module: str, name: str, fwd: tuple[tuple[str, float], ...],
+                   bwd: tuple[tuple[str, float], ...]) -> str:
+        key = self._key(module, name)
+        self.costs.append(_Cost(key, region, comms=fwd, bwd_comms=bwd))
         return key
 
     def save(self, key: str, nbytes: int, users: Iterable[str], producers: Iterable[str] = (),
              deps: Iterable[str] = ()) -> str:
         self.saved.append(_Saved(key, int(nbytes), tuple(users), tuple(producers), tuple(deps)))
         return key
+
+    # ---- tensor-parallel cuts ----
+    def replicated(self, n: int) -> int:
+        """Elements of a tensor the blocks replicate (norms, dropout, residuals): a 1/tp sequence
+        shard with sequence parallelism."""
+        return n // self.par.tp if self.par.sp else n
+
+    def block_input(self, region: str, module: str, n: int) -> list[str]:
+        """The collective that hands a block its full input (Megatron's f / all-gather): [] uncut."""
+        t, nbytes = self.par.tp, n * self.B
+        if t == 1:
+            return []
+        if self.par.sp:  # backward: reduce-scatter the input gradient, and re-gather the saved shard
+            return [self.collective(region, module, "all_gather", (("all_gather", nbytes),),
+                                    (("reduce_scatter", nbytes), ("all_gather", nbytes)))]
+        return [self.collective(region, module, "tp_in", (), (("all_reduce", nbytes),))]
+
+    def block_output(self, region: str, module: str, n: int) -> list[str]:
+        """The collective that sums a block's partial outputs (Megatron's g / reduce-scatter)."""
+        t, nbytes = self.par.tp, n * self.B
+        if t == 1:
+            return []
+        if self.par.sp:
+            return [self.collective(region, module, "reduce_scatter", (("reduce_scatter", nbytes),),
+                                    (("all_gather", nbytes),))]
+        return [self.collective(region, module, "tp_out", (("all_reduce", nbytes),), ())]
 
 
 def _norm_op(bld: _Builder, region: str, module: str, name: str, n: int) -> str:
@@ -287,15 +421,18 @@ def _save_norm_stats(bld: _Builder, module: str, tag: str, op: str, n: int, inp:
 
 def _embed(bld: _Builder) -> None:
     spec, B = bld.spec, bld.B
-    n = spec.micro_batch * spec.seq * spec.hidden
+    full = spec.micro_batch * spec.seq * spec.hidden
+    n = bld.replicated(full)
     r = m = "embed"
     # Gather (token [+ learned position / segment] rows): forward reads the rows and writes the output;
-    # backward reads dy and read-modify-writes the embedding-gradient rows.
-    gather = bld.hbm(r, m, "gather", 2 * n * B, 3 * n * B)
-    chain = [gather]
+    # backward reads dy and read-modify-writes the embedding-gradient rows. Cut: each rank gathers the
+    # rows of its vocabulary shard, and the partial outputs are summed (all-reduce or reduce-scatter).
+    gather = bld.hbm(r, m, "gather", 2 * full * B, 3 * full * B)
+    bld.own(gather, -(-spec.vocab // bld.par.tp) * spec.hidden)  # this rank's vocabulary rows
+    chain = [gather] + bld.block_output(r, m, full)
     if spec.norm_placement == "post":  # BERT: LayerNorm on the summed embeddings
         ln = _norm_op(bld, r, m, "ln", n)
-        bld.save(f"{m}:ln.in", n * B, [ln], [gather])
+        bld.save(f"{m}:ln.in", n * B, [ln], list(chain))
         _save_norm_stats(bld, m, "ln", ln, n, f"{m}:ln.in")
         chain.append(ln)
     if spec.dropout > 0:
@@ -308,21 +445,22 @@ def _embed(bld: _Builder) -> None:
 
 def _attention_core(bld: _Builder, region: str, A: str, q: str, k: str, v: str, q_prod: list[str],
                     kv_prod: list[str], qkv_in: str) -> tuple[str, str, list[str]]:
-    """Saves q, k, v and the attention-core tensors. Returns (context key, op that outputs it, context deps)."""
+    """Saves q, k, v and the attention-core tensors of this rank's heads. Returns (context key, op
+    that outputs it, context deps)."""
     spec, B = bld.spec, bld.B
-    b, s, h, a = spec.micro_batch, spec.seq, spec.hidden, spec.heads
-    d = spec.head_dim
-    n = b * s * h
-    nkv = b * s * spec.kv_heads * d
-    core_flops = 2.0 * b * s * s * h  # each of QK^T and P·V: 2·b·a·s²·d
+    b, s, d = spec.micro_batch, spec.seq, spec.head_dim
+    a = spec.heads // bld.par.tp
+    n = b * s * a * d  # q and the context: this rank's heads
+    nkv = b * s * _kv_heads(bld) * d
+    core_flops = 2.0 * b * s * s * a * d  # each of QK^T and P·V: 2·b·a·s²·d
     if spec.flash:
         lse = _FP32 * b * a * s
         fwd_bytes = (n + 2 * nkv + n) * B + lse
         bwd_bytes = (n + 2 * nkv + 2 * n) * B + lse + (n + 2 * nkv) * B  # read q,k,v,o,dO,lse; write dq,dk,dv
-        flash = bld.fused(region, A, "flash_attn", 2 * core_flops, fwd_bytes, 2.5 * 2 * core_flops, bwd_bytes)
+        flash = bld.attention(region, A, "flash_attn", 2 * core_flops, fwd_bytes, 2.5 * 2 * core_flops, bwd_bytes)
         bld.save(q, n * B, [flash], q_prod, [qkv_in])
         bld.save(k, nkv * B, [flash], kv_prod, [qkv_in])
-        bld.save(v, nkv * B, [flash], kv_prod[:1], [qkv_in])
+        bld.save(v, nkv * B, [flash], _unrotated(kv_prod), [qkv_in])
         bld.save(f"{A}:attn.lse", lse, [flash], [flash], [q, k, v])
         # the flash output is the output projection's input: one tensor, saved by both ops
         return f"{A}:attn.out", flash, [q, k, v]
@@ -344,8 +482,19 @@ def _attention_core(bld: _Builder, region: str, A: str, q: str, k: str, v: str, 
         av = bld.matmul(region, A, "av", core_flops, N + nkv + n)
         bld.save(f"{A}:softmax.out", N * B, probs_users + [av], [scores, softmax], [q, k])
         probs = f"{A}:softmax.out"
-    bld.save(v, nkv * B, [av], kv_prod[:1], [qkv_in])
+    bld.save(v, nkv * B, [av], _unrotated(kv_prod), [qkv_in])
     return f"{A}:context", av, [probs, v]
+
+
+def _unrotated(producers: list[str]) -> list[str]:
+    """v's producers: those of q and k but RoPE, which rotates only q and k."""
+    return [p for p in producers if not p.endswith(":rope")]
+
+
+def _kv_heads(bld: _Builder) -> int:
+    """This rank's key/value heads: split like the query heads, or replicated when fewer than tp."""
+    kv, t = bld.spec.kv_heads, bld.par.tp
+    return kv // t if kv >= t else 1
 
 
 def _residual(bld: _Builder, region: str, module: str, n: int) -> tuple[str, str | None]:
@@ -359,11 +508,14 @@ def _residual(bld: _Builder, region: str, module: str, n: int) -> tuple[str, str
 
 
 def _layer(bld: _Builder, l: int) -> None:
-    spec, B = bld.spec, bld.B
+    spec, B, t = bld.spec, bld.B, bld.par.tp
     b, s, h, f = spec.micro_batch, spec.seq, spec.hidden, spec.ffn
-    d, kvh = spec.head_dim, spec.kv_heads
-    n, nf, bs = b * s * h, b * s * f, b * s
-    qkv_out = h + 2 * kvh * d
+    d = spec.head_dim
+    a_r, kv_r, f_r = spec.heads // t, _kv_heads(bld), f // t  # this rank's heads and MLP width
+    bs = b * s
+    full = bs * h  # a block's full input or output (what the collectives move)
+    n = bld.replicated(full)  # norms, dropout, residuals: this rank's elements
+    qkv_out = (a_r + 2 * kv_r) * d
     region, A, M = f"layers.{l}", f"layers.{l}.attn", f"layers.{l}.mlp"
     pre = spec.norm_placement == "pre"
     nm = "ln" if spec.norm == "layernorm" else "rmsnorm"
@@ -375,107 +527,155 @@ def _layer(bld: _Builder, l: int) -> None:
         bld.save(x, n * B, [norm1])
         _save_norm_stats(bld, A, f"{nm}1", norm1, n, x)
         qkv_in = f"{A}:{nm}1.out"
-    qkv = bld.matmul(region, A, "qkv", 2.0 * bs * h * qkv_out, bs * h + h * qkv_out + bs * qkv_out)
-    if pre:
+    gather1 = bld.block_input(region, A, full)
+    qkv = bld.matmul(region, A, "qkv", 2.0 * bs * h * qkv_out, bs * h + h * qkv_out + bs * qkv_out,
+                     params=h * qkv_out)
+    if pre:  # with SP the shard is saved, and backward gathers it again (counted in block_input)
         bld.save(qkv_in, n * B, [qkv], [norm1], [x])
     else:
         qkv_in = x
         bld.save(x, n * B, [qkv])
-    q_prod = [qkv]
+    q_prod = gather1 + [qkv]
     if spec.rope:  # rotate q and k: reads and writes both; backward the same (cos/sin are constants)
-        rope = bld.hbm(region, A, "rope", 2 * (n + bs * kvh * d) * B, 2 * (n + bs * kvh * d) * B)
-        q_prod = [qkv, rope]
+        rot = bs * (a_r + kv_r) * d
+        rope = bld.hbm(region, A, "rope", 2 * rot * B, 2 * rot * B)
+        q_prod = q_prod + [rope]
     ctx, ctx_op, ctx_deps = _attention_core(bld, region, A, f"{A}:q", f"{A}:k", f"{A}:v", q_prod, q_prod, qkv_in)
-    proj = bld.matmul(region, A, "proj", 2.0 * bs * h * h, n + h * h + n)
+    ctx_elems = bs * a_r * d
+    proj = bld.matmul(region, A, "proj", 2.0 * bs * a_r * d * h, ctx_elems + a_r * d * h + bs * h,
+                      params=a_r * d * h)
     # with flash the core's output is also what its own backward reads: one tensor, two users
-    bld.save(ctx, n * B, [ctx_op, proj] if spec.flash else [proj], [ctx_op], ctx_deps)
+    bld.save(ctx, ctx_elems * B, [ctx_op, proj] if spec.flash else [proj], [ctx_op], ctx_deps)
+    attn_out = [proj] + bld.block_output(region, A, full)
     add1, mask1 = _residual(bld, region, A, n)
     if mask1:
-        bld.save(mask1, n * _MASK_BYTES, [add1], [proj, add1], [ctx])
+        bld.save(mask1, n * _MASK_BYTES, [add1], attn_out + [add1], [ctx])
 
     # ---- norm of x + attn(x): LN2 before the MLP (pre-LN) or LN1 after the residual (post-LN) ----
     if pre:
         norm2 = _norm_op(bld, region, M, f"{nm}2", n)
         mlp_in_norm_in = f"{M}:{nm}2.in"
-        bld.save(mlp_in_norm_in, n * B, [norm2], [proj, add1], [ctx, x])
+        bld.save(mlp_in_norm_in, n * B, [norm2], attn_out + [add1], [ctx, x])
         _save_norm_stats(bld, M, f"{nm}2", norm2, n, mlp_in_norm_in)
         mlp_in, mlp_in_prod, mlp_in_deps = f"{M}:{nm}2.out", [norm2], [mlp_in_norm_in]
         residual_in = mlp_in_norm_in
     else:
         norm1 = _norm_op(bld, region, A, f"{nm}1", n)
         ln1_in = f"{A}:{nm}1.in"
-        bld.save(ln1_in, n * B, [norm1], [proj, add1], [ctx, x])
+        bld.save(ln1_in, n * B, [norm1], attn_out + [add1], [ctx, x])
         _save_norm_stats(bld, A, f"{nm}1", norm1, n, ln1_in)
         mlp_in, mlp_in_prod, mlp_in_deps = f"{A}:{nm}1.out", [norm1], [ln1_in]
         residual_in = mlp_in
 
-    # ---- MLP ----
+    # ---- MLP (dense, or mixture of experts) ----
+    gather2 = bld.block_input(region, M, full)
+    rows, x_mlp, x_prod, x_deps = bs, mlp_in, gather2 + mlp_in_prod, mlp_in_deps
+    x_bytes = n * B  # with SP the shard is saved, and backward gathers it again
+    if spec.experts > 1:
+        # Router: logits over the experts, softmax + top-k (fp32 probabilities saved); dispatch copies
+        # each token to its k experts; each expert's MLP runs on its tokens (every expert weight is
+        # read once); combine sums the k outputs weighted by the router.
+        E, k = spec.experts, spec.experts_per_token
+        router = bld.matmul(region, M, "router", 2.0 * bs * h * E, bs * h + h * E + bs * E, params=h * E)
+        bld.save(mlp_in, n * B, [router], x_prod, mlp_in_deps)
+        route = bld.hbm(region, M, "route", bs * E * (B + _FP32) + bs * k * _FP32, bs * E * (2 * _FP32 + B))
+        bld.save(f"{M}:route.probs", _FP32 * bs * E, [route], [router, route], [mlp_in])
+        rows = bs * k
+        dispatch = bld.hbm(region, M, "dispatch", (bs + rows) * h * B, (rows + bs) * h * B)
+        x_mlp, x_prod, x_deps, x_bytes = f"{M}:dispatch.out", [router, route, dispatch], [mlp_in], rows * h * B
+    nf = rows * f_r
+    regather = gather2 if spec.experts == 1 else []  # re-running the MLP's first matmul gathers its input
+    w = spec.experts * h * f_r  # weight elements of one projection (all experts)
     if spec.ffn_kind == "gelu":
-        fc1 = bld.matmul(region, M, "fc1", 2.0 * bs * h * f, n + h * f + nf)
-        bld.save(mlp_in, n * B, [fc1], mlp_in_prod, mlp_in_deps)
+        fc1 = bld.matmul(region, M, "fc1", 2.0 * rows * h * f_r, rows * h + w + nf, params=w)
+        bld.save(x_mlp, x_bytes, [fc1], x_prod, x_deps)
         gelu = bld.hbm(region, M, "gelu", 2 * nf * B, 3 * nf * B)
-        bld.save(f"{M}:fc1.out", nf * B, [gelu], [fc1], [mlp_in])
-        fc2 = bld.matmul(region, M, "fc2", 2.0 * bs * f * h, nf + f * h + n)
+        bld.save(f"{M}:fc1.out", nf * B, [gelu], regather + [fc1], [x_mlp])
+        fc2 = bld.matmul(region, M, "fc2", 2.0 * rows * f_r * h, nf + w + rows * h, params=w)
         bld.save(f"{M}:gelu.out", nf * B, [fc2], [gelu], [f"{M}:fc1.out"])
         down, down_in = fc2, f"{M}:gelu.out"
     else:
-        gate = bld.matmul(region, M, "gate", 2.0 * bs * h * f, n + h * f + nf)
+        gate = bld.matmul(region, M, "gate", 2.0 * rows * h * f_r, rows * h + w + nf, params=w)
         silu = bld.hbm(region, M, "silu", 2 * nf * B, 3 * nf * B)
-        up = bld.matmul(region, M, "up", 2.0 * bs * h * f, n + h * f + nf)
+        up = bld.matmul(region, M, "up", 2.0 * rows * h * f_r, rows * h + w + nf, params=w)
         mul = bld.hbm(region, M, "mul", 3 * nf * B, 5 * nf * B)
-        down = bld.matmul(region, M, "down", 2.0 * bs * f * h, nf + f * h + n)
-        bld.save(mlp_in, n * B, [gate, up], mlp_in_prod, mlp_in_deps)
-        bld.save(f"{M}:gate.out", nf * B, [silu], [gate], [mlp_in])
-        bld.save(f"{M}:up.out", nf * B, [mul], [up], [mlp_in])
+        down = bld.matmul(region, M, "down", 2.0 * rows * f_r * h, nf + w + rows * h, params=w)
+        bld.save(x_mlp, x_bytes, [gate, up], x_prod, x_deps)
+        bld.save(f"{M}:gate.out", nf * B, [silu], regather + [gate], [x_mlp])
+        bld.save(f"{M}:up.out", nf * B, [mul], regather + [up], [x_mlp])
         bld.save(f"{M}:silu.out", nf * B, [mul], [silu], [f"{M}:gate.out"])
         bld.save(f"{M}:mul.out", nf * B, [down], [mul], [f"{M}:silu.out", f"{M}:up.out"])
         down_in = f"{M}:mul.out"
+    branch, branch_deps = [down], [down_in]
+    if spec.experts > 1:
+        combine = bld.hbm(region, M, "combine", rows * h * B + bs * k * _FP32 + bs * h * B,
+                          bs * h * B + rows * h * B * 2 + bs * k * _FP32 * 2)
+        bld.save(f"{M}:expert.out", rows * h * B, [combine], [down], [down_in])
+        bld.save(f"{M}:route.weights", bs * k * _FP32, [combine], [router, route], [mlp_in])
+        branch, branch_deps = [down, combine], [down_in, f"{M}:route.weights"]
+    branch = branch + bld.block_output(region, M, full)
     add2, mask2 = _residual(bld, region, M, n)
     if mask2:
-        bld.save(mask2, n * _MASK_BYTES, [add2], [down, add2], [down_in])
+        bld.save(mask2, n * _MASK_BYTES, [add2], branch + [add2], branch_deps)
     if not pre:  # BERT: LayerNorm after the MLP residual; its output is the next layer's input
         norm2 = _norm_op(bld, region, M, f"{nm}2", n)
         ln2_in = f"{M}:{nm}2.in"
-        bld.save(ln2_in, n * B, [norm2], [down, add2], [down_in, residual_in])
+        bld.save(ln2_in, n * B, [norm2], branch + [add2], branch_deps + [residual_in])
         _save_norm_stats(bld, M, f"{nm}2", norm2, n, ln2_in)
 
 
 def _head(bld: _Builder) -> None:
-    spec, B = bld.spec, bld.B
-    bs, h, V = spec.micro_batch * spec.seq, spec.hidden, spec.vocab
-    n = bs * h
+    spec, B, t = bld.spec, bld.B, bld.par.tp
+    bs, h = spec.micro_batch * spec.seq, spec.hidden
+    V = -(-spec.vocab // t)  # this rank's vocabulary shard (vocab-parallel LM head and cross-entropy)
+    full = bs * h
+    n = bld.replicated(full)
     r = m = "head"
     norm = _norm_op(bld, r, m, "final_norm", n)
     bld.save(f"{m}:norm.in", n * B, [norm])  # the last layer's output: region input
     _save_norm_stats(bld, m, "norm", norm, n, f"{m}:norm.in")
-    lm_head = bld.matmul(r, m, "lm_head", 2.0 * bs * h * V, n + h * V + bs * V)
+    gather = bld.block_input(r, m, full)
+    lm_head = bld.matmul(r, m, "lm_head", 2.0 * bs * h * V, bs * h + h * V + bs * V, params=h * V)
     bld.save(f"{m}:norm.out", n * B, [lm_head], [norm], [f"{m}:norm.in"])
     # cross-entropy on fp32 log-softmax: forward reads logits, writes fp32 log-probs; backward reads
-    # the log-probs and writes dlogits.
+    # the log-probs and writes dlogits. Vocab-parallel: max, sum of exponentials and the target's
+    # logit are all-reduced (3 fp32 per token).
+    # (timed as one all-reduce before the fused op that writes the log-probs).
+    ce_ops = []
+    if t > 1:
+        ce_ops.append(bld.collective(r, m, "ce_all_reduce", (("all_reduce", 3 * _FP32 * bs),), ()))
     ce = bld.hbm(r, m, "cross_entropy", bs * V * (B + _FP32), bs * V * (_FP32 + B))
-    bld.save(f"{m}:ce.logprobs", _FP32 * bs * V, [ce], [lm_head, ce], [f"{m}:norm.out"])
+    bld.save(f"{m}:ce.logprobs", _FP32 * bs * V, [ce], gather + [lm_head] + ce_ops + [ce], [f"{m}:norm.out"])
 
 
-def _build(spec: ModelSpec, layers: Iterable[int] | None = None, embed_head: bool = True) -> _Builder:
-    bld = _Builder(spec)
-    if embed_head:
+def _build(spec: ModelSpec, par: Parallel, layers: Iterable[int] | None = None, embed: bool = True,
+           head: bool = True) -> _Builder:
+    par.check(spec)
+    bld = _Builder(spec, par)
+    if embed:
         _embed(bld)
     for l in range(spec.layers) if layers is None else layers:
         _layer(bld, l)
-    if embed_head:
+    if head:
         _head(bld)
     return bld
 
 
 # ---- public entry points -----------------------------------------------------------------------
-def transformer_profile(spec: ModelSpec, hw: Hardware) -> StepProfile:
-    """The analytic `StepProfile` of one training step of `spec` on `hw` (see the module docstring)."""
-    bld = _build(spec)
+def transformer_profile(spec: ModelSpec, hw: Hardware, par: Parallel = Parallel(), *,
+                        layers: Iterable[int] | None = None, embed: bool = True, head: bool = True,
+                        name: str | None = None) -> StepProfile:
+    """The analytic `StepProfile` of one training step of `spec` on `hw`, on one rank of a `par`
+    cut (see the module docstring); `layers`, `embed`, `head` select a pipeline stage's part."""
+    bld = _build(spec, par, layers, embed, head)
     index = {c.key: i for i, c in enumerate(bld.costs)}
     ops = []
-    for c in bld.costs:
-        fwd, bwd = c.times(hw)
-        ops.append(Op(c.key, fwd, bwd, c.region))
+    try:
+        for c in bld.costs:
+            fwd, bwd = c.times(hw, par.tp)
+            ops.append(Op(c.key, fwd, bwd, c.region))
+    except ValueError as e:
+        raise ProfileError(str(e)) from None
     acts = [
         Activation(
             a.key,
@@ -486,15 +686,27 @@ def transformer_profile(spec: ModelSpec, hw: Hardware) -> StepProfile:
         )
         for a in bld.saved
     ]
-    meta = {"source": "analytic", "hardware": hw.name, "hardware_digest": hw.digest, **spec.to_meta()}
-    return StepProfile(name=spec.name, ops=tuple(ops), activations=tuple(acts), meta=tuple(meta.items()))
+    meta = {"source": "analytic", "hardware": hw.name, "hardware_digest": hw.digest, **spec.to_meta(),
+            **par.to_meta()}
+    return StepProfile(name=name or spec.name, ops=tuple(ops), activations=tuple(acts), meta=tuple(meta.items()))
 
 
-def layer_forward_flops(spec: ModelSpec) -> float:
-    """Matmul FLOPs of one layer's forward, summed over the same op list that is timed."""
-    return float(sum(c.flops for c in _build(spec, layers=[0], embed_head=False).costs))
+def layer_forward_flops(spec: ModelSpec, par: Parallel = Parallel()) -> float:
+    """Matmul FLOPs of one layer's forward on one rank, summed over the same op list that is timed."""
+    return float(sum(c.flops for c in _build(spec, par, layers=[0], embed=False, head=False).costs))
 
 
-def layer_activation_bytes(spec: ModelSpec) -> int:
-    """Bytes saved for backward by one layer region (its input included)."""
-    return sum(a.bytes for a in _build(spec, layers=[0], embed_head=False).saved)
+def layer_activation_bytes(spec: ModelSpec, par: Parallel = Parallel()) -> int:
+    """Bytes saved for backward by one layer region on one rank (its input included)."""
+    return sum(a.bytes for a in _build(spec, par, layers=[0], embed=False, head=False).saved)
+
+
+def region_params(spec: ModelSpec, par: Parallel = Parallel(), *, layers: Iterable[int] | None = None,
+                  embed: bool = True, head: bool = True) -> dict[str, int]:
+    """Weight elements each region owns on one rank of a `par` cut (matmul weights and the embedding
+    table; norm and bias vectors are left out: < 0.1% of a transformer's parameters). A model with
+    tied embeddings counts the table in both the embedding and the LM head, as a pipeline does."""
+    out: dict[str, int] = {}
+    for c in _build(spec, par, layers, embed, head).costs:
+        out[c.region] = out.get(c.region, 0) + int(c.params)
+    return out

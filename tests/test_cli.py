@@ -268,3 +268,49 @@ def test_no_command_and_help(capsys):
 def test_short_source():
     assert short_source("gpt2-xl") == "Radford et al. 2019 + karpathy/llm.c"
     assert short_source("not-a-preset") == ""
+
+
+HF = str(__import__("pathlib").Path(__file__).resolve().parent / "data" / "hf_configs")
+
+
+def test_simulate_a_users_hugging_face_config(capsys):
+    rows = run_json(capsys, "--model", f"{HF}/gpt2-xl.json", "--seq", "128", "--micro-batch", "2",
+                    "--layers", "2", "--planner", *FAST)
+    preset = run_json(capsys, "--workload", "gpt2-xl", "--seq", "128", "--micro-batch", "2", "--layers", "2",
+                      "--planner", *FAST)
+    # the config of the preset's model gives the preset's bytes and times
+    assert [r["peak_bytes"] for r in rows] == [r["peak_bytes"] for r in preset]
+    assert [r["ideal_s"] for r in rows] == [r["ideal_s"] for r in preset]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", f"{HF}/Mixtral-8x7B-v0.1.json"], "give --seq and --micro-batch too"),
+    (["--workload", "gpt2-xl", "--tp", "3"], r"cannot cut 'gpt2-xl' 3 ways: heads \(25\)"),
+    (["--workload", "llama-7b", "--sp"], "give --tp > 1"),
+    (["--model", f"{HF}/nope.json", "--seq", "8", "--micro-batch", "1"], "nope.json"),
+])
+def test_model_and_parallel_errors_are_one_line(capsys, argv, message):
+    import re
+
+    assert main(["simulate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.startswith("slackswap: error:") and "Traceback" not in err
+
+
+def test_tensor_parallel_rows_are_one_rank_of_the_cut(capsys):
+    base = ["--workload", "llama-7b", "--seq", "256", "--micro-batch", "1", "--layers", "2", "--planner", "keep-all",
+            "--budget", "1.0"]
+    (whole,) = run_json(capsys, *base)
+    (cut,) = run_json(capsys, *base, "--tp", "4", "--sp")
+    assert cut["peak_bytes"] < whole["peak_bytes"] / 2 and cut["ideal_s"] < whole["ideal_s"]
+    assert main(["simulate", *base, "--tp", "4"]) == 0
+    assert "one rank of tp 4" in capsys.readouterr().out
+
+
+def test_plan_from_a_model_config(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", f"{HF}/Llama-2-7b-hf.json", "--seq", "256", "--micro-batch", "1", "--layers", "2",
+                 "--budget", "0.5", "-o", str(out)]) == 0
+    assert Plan.load(out).planner == "slackswap"
+    assert main(["plan", "--budget", "0.5", "-o", str(out)]) == 2
+    assert "give --workload W or --model" in capsys.readouterr().err

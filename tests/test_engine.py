@@ -370,3 +370,49 @@ def test_a_host_pool_that_runs_out_is_warned_once_and_reported(caplog):
     first = [m for level, m in messages if level == logging.WARNING and "(host pool exhausted: kept)" in m]
     reports = [m for level, m in messages if "kept instead of planned" in m and "host pool exhausted" in m]
     assert len(first) == 1 and len(reports) == 2  # warned the first time, then counted every log_every steps
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_zero_offload_makes_plans_leave_its_link_time_and_pinned_memory(single_process_group, caplog):
+    # DeepSpeed's own ZeRO-Offload (stage 2, optimizer on the CPU) copies gradients to the host in
+    # backward and pins the optimizer state: the plan's share must be net of both, and training exact.
+    import logging
+
+    import torch
+
+    import slackswap_ds as ss
+    from slackswap_ds.hardware import load_hardware
+
+    def train(enabled: bool):
+        model = _gpt2()
+        config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
+                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                  "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                  "slackswap": {"enabled": enabled, "activation_budget": 0.5, "profile_steps": 1,
+                                "hardware": "a100-80g-pcie4", "host_pool_bytes_per_node": "1GiB"}}
+        engine, *_ = ss.initialize(model=model, model_parameters=model.parameters(), config=config)
+        torch.manual_seed(1)
+        losses = []
+        for step in range(4):
+            ids = torch.randint(1, 128, (2, 16))
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses, model, getattr(engine, "slackswap", None)
+
+    off, _, _ = train(False)
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        on, model, runtime = train(True)
+    assert on == off
+    hw = load_hardware("a100-80g-pcie4")
+    pinned = sum(p.numel() for p in model.parameters()) * 16  # fp32 master, m, v, gradient; one rank
+    assert runtime.plan_share.h2d(hw) == hw.duplex_h2d_bps  # prefetches meet the gradient copies
+    # the rank's pool share comes from the node's pool net of the optimizer state: a demand above
+    # what is left gets exactly what is left
+    from slackswap_ds.dist import RankFacts, shares_of
+
+    assert runtime.share.host_pool_bytes <= (1 << 30) - pinned
+    net = shares_of([RankFacts("n", 0, 10**12)], hw, hw.d2h_bps, 1 << 30, pinned)[0]
+    assert net.host_pool_bytes == (1 << 30) - pinned
+    assert any("ZeRO-Offload copies gradients" in r.getMessage() for r in caplog.records)

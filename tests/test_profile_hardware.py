@@ -38,11 +38,50 @@ def test_every_preset_loads_and_cites_every_parameter():
     assert {"a100-40g-pcie4", "a100-80g-pcie4", "h100-pcie5", "h200-pcie5", "gh200"} <= set(gpus)
     for name in gpus:
         hw = load_hardware(name)
-        assert len(hw.sources) == 9 and all(src.split(":")[0] in STATUSES for _, src in hw.sources)
+        cited = {k for k, _ in hw.sources}
+        # every scalar but matmul_efficiency, which a measured GEMM curve replaces, and every curve
+        assert cited == set(hw.params()) - {"matmul_efficiency"} | set(hw.curves()), name
+        assert all(src.split(":")[0] in STATUSES for _, src in hw.sources)
+        assert hw.gemm_flops is not None  # every preset times GEMMs by their size
     node = load_node("dgx-a100")
     assert (node.gpus, node.gpus_per_switch, node.switches_per_socket) == (8, 2, 2)
     assert [node.switch_of(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
     assert [node.socket_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_curves_interpolate_in_log_size_and_hold_flat_beyond_their_ends():
+    from slackswap_ds.hardware import Curve
+
+    c = Curve(((1e9, 100.0), (1e11, 300.0)))
+    assert c.at(1e8) == 100.0 and c.at(1e12) == 300.0 and c.at(1e10) == pytest.approx(200.0)
+    for bad in ((), ((2.0, 1.0), (1.0, 1.0)), ((1.0, 0.0),)):
+        with pytest.raises(ValueError):
+            Curve(bad)
+
+
+def test_gemm_speed_and_collective_times_come_from_the_measured_curves():
+    hw = load_hardware("a100-80g-pcie4")
+    assert hw.gemm_rate(2 * 4096**3) == 228.0e12  # a measured point: cuBLASLt 4096^3 on A100-80GB
+    assert hw.gemm_rate(1e6) == 119.4e12 and hw.gemm_rate(1e15) == 256.5e12  # flat beyond the ends
+    S = 1 << 30  # 1 GiB all-reduce on 8 GPUs at the measured 228.10 GB/s bus bandwidth
+    assert hw.collective_s("all_reduce", S, 8) == pytest.approx(S * 2 * 7 / 8 / 228.10e9)
+    assert hw.collective_s("all_gather", S, 8) == pytest.approx(S * 7 / 8 / 228.10e9)
+    assert hw.collective_s("all_reduce", S, 1) == 0.0
+    with pytest.raises(ValueError, match="no allreduce_busbw curve"):
+        load_hardware("gh200").collective_s("all_reduce", S, 2)
+
+
+def test_a_preset_gives_the_gemm_curve_or_an_efficiency_not_both(tmp_path):
+    data = json.loads((hardware_dir() / "a100-80g-pcie4.json").read_text())
+    data["params"]["matmul_efficiency"] = {"value": 0.6, "source": "x", "status": "derived"}
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidFileError, match="not both"):
+        load_hardware(path)
+    del data["curves"]
+    path.write_text(json.dumps(data))
+    hw = load_hardware(path)  # an efficiency alone is a valid (user) preset
+    assert hw.gemm_rate(1e9) == pytest.approx(0.6 * 312e12) and hw.allreduce_busbw is None
 
 
 def test_a100_values_match_the_reference():

@@ -187,7 +187,8 @@ def test_matmul_backward_is_twice_forward_when_compute_bound(profiles):
     }
     for key, f in flops.items():
         op = ops[key]
-        assert op.fwd_s == pytest.approx(f / HW.matmul_flops, rel=1e-12), key  # compute-bound
+        # compute-bound, at the measured rate of a GEMM of its size; backward: two GEMMs of that size
+        assert op.fwd_s == pytest.approx(f / HW.gemm_rate(f), rel=1e-12), key
         assert op.bwd_s == pytest.approx(2 * op.fwd_s, rel=1e-12), key
 
 
@@ -195,8 +196,10 @@ def test_flash_backward_is_2_5x_forward(profiles):
     spec = PRESETS["llama-7b"]
     b, s, h = spec.micro_batch, spec.seq, spec.hidden
     op = next(o for o in profiles["llama-7b"].ops if o.key == "layers.0.attn:3:flash_attn")
-    assert op.fwd_s == pytest.approx(4 * b * s * s * h / HW.matmul_flops, rel=1e-12)
-    assert op.bwd_s == pytest.approx(2.5 * op.fwd_s, rel=1e-12)
+    f = 4 * b * s * s * h
+    assert op.fwd_s == pytest.approx(HW.attention_s(f), rel=1e-12)  # at the measured FlashAttention speed
+    assert op.bwd_s == pytest.approx(HW.attention_s(2.5 * f), rel=1e-12)  # one kernel of 2.5x the FLOPs
+    assert HW.attention_s(f) > HW.gemm_s(f)
 
 
 def test_softmax_is_hbm_bound_with_explicit_bytes(profiles):
@@ -325,3 +328,102 @@ def test_core_does_not_import_torch():
     code = "import sys, slackswap_ds.workloads; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---- tensor and sequence parallelism, mixture of experts -------------------------------------------
+from slackswap_ds.hardware import Curve  # noqa: E402
+from slackswap_ds.workloads import Parallel  # noqa: E402
+
+_22B = ModelSpec(name="22b", layers=2, hidden=6144, heads=64, kv_heads=64, ffn=4 * 6144, ffn_kind="gelu",
+                 norm="layernorm", norm_placement="pre", dropout=0.1, vocab=51200, seq=2048, micro_batch=4,
+                 dtype_bytes=2, flash=False, source="Korthikanti et al. 2022, Table 3")
+
+
+@pytest.mark.parametrize("t", [1, 2, 4, 8])
+@pytest.mark.parametrize("sp", [False, True])
+def test_layer_bytes_with_tensor_and_sequence_parallelism_are_korthikantis(t, sp):
+    if sp and t == 1:
+        return
+    s, b, h, a = _22B.seq, _22B.micro_batch, _22B.hidden, _22B.heads
+    # Korthikanti et al. eq. 2 and 3: s·b·h·(10 + 24/t + 5·a·s/(h·t)) with TP, s·b·h/t·(34 + 5·a·s/h) with TP + SP
+    want = (34 * s * b * h + 5 * a * s * s * b) // t if sp else 10 * s * b * h + (24 * s * b * h + 5 * a * s * s * b) // t
+    assert layer_activation_bytes(_22B, Parallel(t, sp)) == want
+
+
+def test_tensor_parallelism_splits_the_matmul_flops():
+    assert layer_forward_flops(_22B, Parallel(8)) * 8 == pytest.approx(layer_forward_flops(_22B), rel=1e-12)
+
+
+def test_an_uncut_profile_is_the_same_profile():
+    assert transformer_profile(_22B, HW, Parallel()).digest == transformer_profile(_22B, HW).digest
+
+
+def test_collectives_per_layer_follow_megatron():
+    def comm_ops(par):
+        p = transformer_profile(_22B, HW, par)
+        return [o.key.split(":")[-1] for o in p.ops if o.region == "layers.0"
+                and o.key.split(":")[-1] in ("tp_in", "tp_out", "all_gather", "reduce_scatter")]
+
+    assert comm_ops(Parallel()) == []
+    assert comm_ops(Parallel(8)) == ["tp_in", "tp_out", "tp_in", "tp_out"]
+    assert comm_ops(Parallel(8, True)) == ["all_gather", "reduce_scatter", "all_gather", "reduce_scatter"]
+
+
+def _toy_board(busbw=1e9):
+    """Whole-number rates: a GEMM runs at 1 TFLOP/s, HBM at 1 GB/s, collectives at `busbw`."""
+    return dataclasses.replace(HW, name="toy-board", gemm_flops=Curve(((1.0, 1e12),)), hbm_bps=1e9,
+                               allreduce_busbw=Curve(((1.0, busbw),)), flash_attention_flops=None)
+
+
+def test_a_tiny_tensor_parallel_all_reduce_has_exact_event_times():
+    from slackswap_ds.plan import Plan, lower
+    from slackswap_ds.simulator import simulate
+
+    spec = dataclasses.replace(_22B, layers=1, hidden=64, heads=4, kv_heads=4, ffn=256, seq=8, micro_batch=2,
+                               vocab=128, dropout=0.0)
+    hw = _toy_board()
+    p = transformer_profile(spec, hw, Parallel(2))
+    plan = Plan.build(p, {a.key: "keep" for a in p.activations}, budget_bytes=0, hardware_digest=hw.digest,
+                      planner="keep-all")
+    res = simulate(lower(p, plan), hw)
+    ev = {(e.kind, e.name): e for e in res.events}
+    keys = [o.key for o in p.ops]
+    tp_out = "layers.0.attn:7:tp_out"
+    i = keys.index(tp_out)
+    nbytes = 2 * 8 * 64 * 2  # the attention block's full output: b·s·h 16-bit values
+    ar_s = nbytes * 2 * (2 - 1) / 2 / 1e9  # nccl-tests: all-reduce moves 2(n-1)/n of the buffer at busbw
+    e = ev["fwd", tp_out]
+    assert e.start == pytest.approx(sum(o.fwd_s for o in p.ops[:i]), abs=1e-15)
+    assert e.end - e.start == pytest.approx(ar_s, rel=1e-12)
+    b = ev["bwd", "layers.0.attn:1:tp_in"]  # the block input's all-reduce runs in backward only
+    assert b.end - b.start == pytest.approx(ar_s, rel=1e-12) and ev["fwd", "layers.0.attn:1:tp_in"].end == \
+        ev["fwd", "layers.0.attn:1:tp_in"].start
+
+
+def test_tensor_parallelism_refuses_a_cut_the_model_does_not_allow():
+    with pytest.raises(ProfileError, match=r"heads \(25\) must be divisible by tp \(2\)"):
+        workload("gpt2-xl", HW, Parallel(2))
+    with pytest.raises(ProfileError, match="needs tp > 1"):
+        Parallel(1, True)
+    with pytest.raises(ProfileError, match="no allreduce_busbw curve"):
+        workload("llama-7b", "gh200", Parallel(2))
+
+
+def test_gqa_key_value_heads_are_replicated_when_fewer_than_the_cut():
+    spec = PRESETS["llama-70b"]  # 8 KV heads
+    p16 = transformer_profile(dataclasses.replace(spec, layers=1), HW, Parallel(16))
+    k = p16.by_key["layers.0.attn:k"].bytes
+    assert k == spec.micro_batch * spec.seq * 1 * spec.head_dim * 2  # one KV head per rank
+
+
+def test_mixture_of_experts_bytes_and_flops_scale_with_experts_per_token():
+    base = dataclasses.replace(PRESETS["llama-7b"], layers=1, micro_batch=1, seq=256, experts=8)
+    one, two = (dataclasses.replace(base, experts_per_token=k) for k in (1, 2))
+    b, s, h, f, B = 1, 256, base.hidden, base.ffn, 2
+    # per extra routed copy of every token: its dispatched input (h) and expert output (h), the gate,
+    # up, silu and product tensors (4 f), and its fp32 routing weight
+    assert layer_activation_bytes(two) - layer_activation_bytes(one) == b * s * ((2 * h + 4 * f) * B + 4)
+    expert_flops = 3 * 2 * b * s * h * f  # gate, up, down per routed copy
+    assert layer_forward_flops(two) - layer_forward_flops(one) == pytest.approx(expert_flops, rel=1e-12)
+    with pytest.raises(ProfileError, match="experts_per_token"):
+        dataclasses.replace(base, experts_per_token=9)

@@ -58,6 +58,15 @@ class Share:
         return dataclasses.replace(hw, d2h_bps=d2h, h2d_bps=h2d, duplex_d2h_bps=min(hw.duplex_d2h_bps, d2h),
                                    duplex_h2d_bps=min(hw.duplex_h2d_bps, h2d))
 
+    def beside_zero_offload(self, hw: Hardware, pinned_bytes: int) -> "Share":
+        """This share while DeepSpeed's ZeRO-Offload runs on the same GPU: it copies gradients to
+        the host during backward, when prefetches run, so those move at the GPU's duplex
+        host-to-device rate; and it pins `pinned_bytes` of optimizer state in the host memory the
+        pool comes from."""
+        pool = self.host_pool_bytes
+        return Share(self.d2h_bps, min(self.h2d(hw), hw.duplex_h2d_bps),
+                     None if pool is None else max(0, pool - int(pinned_bytes)))
+
     def d2h(self, hw: Hardware) -> float:
         return hw.d2h_bps if self.d2h_bps is None else min(hw.d2h_bps, self.d2h_bps)
 

@@ -5,9 +5,10 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
    in save order, so for every op k the copies of tensors saved from op k on must fit under the
    forward of the ops after k) and their H2D copies fit under the backward of the region after it (which runs just before), at
    the rank's share of the link (`Share`). These windows are the slack.
-2. Swap. Candidates in order of recompute cost per byte, most expensive first (tensors that cannot
-   be recomputed at all come first); each is swapped if its copies fit the remaining slack and
-   the host pool, and while the memory model still runs over budget.
+2. Swap. Candidates in order of recompute cost per byte, most expensive first; tensors that cannot
+   be recomputed at all (layer inputs) come last: keeping them is free, and slack spent on them is
+   slack a large, costly tensor could have used. Each is swapped if its copies fit the remaining
+   slack and the host pool, and while the memory model still runs over budget.
 3. Recompute. While the region memory model's peak M(r*) is over budget, recompute the tensor with
    the lowest marginal recompute time per byte (producers already re-run in its region are free)
    among the regions before r*.
@@ -84,7 +85,7 @@ class _State:
         self.swap_tried = True
         m = self.m
         cands = [a for a in m.profile.activations if a.bytes > 0]
-        cands.sort(key=lambda a: (-(self._rec_cost(a) / a.bytes if a.recomputable else float("inf")),
+        cands.sort(key=lambda a: (-(self._rec_cost(a) / a.bytes if a.recomputable else 0.0),
                                   m.region_of[a.key], a.key))
         for a in cands:
             if self.peak()[0] <= target:

@@ -1,0 +1,360 @@
+"""A whole training step of a cut job: pipeline stages under 1F1B, data-parallel replicas with a
+ZeRO stage, the optimizer step, and a SlackSwap plan per stage.
+
+What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed ZeRO):
+
+* `Job`: a model cut `tp` ways (with `sp`), into `pp` stages of equal layer counts (the first also
+  holds the embedding, the last the head), replicated `dp` ways; `micro_batches` per step and
+  pipeline. One rank's share of a stage is `stage_profile` (one micro-batch's forward and backward).
+* 1F1B (non-interleaved): stage i runs min(p-i-1, m) warm-up forwards, then alternates one forward
+  and one backward, then drains its backwards. F(i, j) waits for F(i-1, j) and the activation's
+  point-to-point send; B(i, j) for B(i+1, j) and the gradient's send. At its peak stage i holds
+  k_i = min(p-i, m) micro-batches: k_i - 1 finished forwards plus the one it runs.
+* Memory per stage: each micro-batch runs the stage's plan. A finished forward leaves its kept
+  bytes on the device (swapped ones are on the host, recomputed ones were never stored); the one
+  running adds its own simulated peak. So peak_i = (k_i - 1) * kept + peak of one micro-batch, and
+  `plan_stage` searches the per-micro-batch budget that makes this meet the stage's budget.
+* After the last backward: data-parallel gradient reduction (all-reduce, or reduce-scatter +
+  all-gather with ZeRO >= 1: the same bytes) over NVLink when the job fits on one node, else over
+  each GPU's own network link; exposed (DeepSpeed's
+  `overlap_comm` defaults to false for ZeRO 1-2), then the optimizer: fused Adam at HBM speed over
+  this rank's parameters (1/dp of them with ZeRO >= 1), or with ZeRO-Offload CPU Adam at this
+  GPU's share of its socket's memory bandwidth plus the copy of the updated 16-bit parameters back
+  to the device. Stage-to-stage sends carry one micro-batch's boundary activation (1/tp of it per
+  rank, Megatron's scatter-gather) at the same link's rate.
+
+Not modelled: the interleaved 1F1B schedule (Megatron's virtual stages: a smaller bubble), ZeRO
+stage 3 / FSDP parameter gathers, overlap of gradient reduction with backward, and plans that know
+a stage's finished forwards are held k-1 times (the per-micro-batch planners never drop tensors of
+the region that runs last, which 1F1B still holds).
+
+Every rate comes from the hardware presets; the step is deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from .errors import BudgetInfeasibleError, ProfileError, SlackSwapError
+from .hardware import Node
+from .plan import Decision, Instr, Kind, Plan, Schedule, lower
+from .planners import PRIVATE, Share, get_planner
+from .profile import StepProfile
+from .simulator import SimResult, simulate
+from .workloads import ModelSpec, Parallel, region_params, transformer_profile
+
+ADAM_BYTES_PER_PARAM = 30  # fused Adam reads fp32 master, grad, m, v (16 B), writes master, m, v (12 B) + 16-bit copy (2 B)
+CPU_ADAM_BYTES_PER_PARAM = 28  # the same on the host, without the 16-bit copy
+GRAD_BYTES = 2  # gradients reduced and offloaded in 16 bits (DeepSpeed's communication_data_type for bf16/fp16)
+PINNED_OPTIMIZER_BYTES_PER_PARAM = 16  # ZeRO-Offload keeps fp32 master, m, v and gradient in pinned host memory
+
+
+@dataclass(frozen=True)
+class Job:
+    """How a training job is cut across GPUs, and what a step does."""
+
+    spec: ModelSpec
+    par: Parallel = Parallel()
+    pp: int = 1
+    dp: int = 1
+    micro_batches: int = 1  # per step and pipeline (gradient accumulation)
+    zero: int = 0  # DeepSpeed ZeRO stage 0-2 (3 shards parameters: not modelled)
+    offload_optimizer: bool = False  # ZeRO-Offload: optimizer state and step on the CPU
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in ("pp", "dp", "micro_batches"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                problems.append(f"{f} must be a positive integer, got {v!r}")
+        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
+            problems.append(f"zero must be 0, 1 or 2 (stage 3 shards parameters, which is not modelled), got {self.zero!r}")
+        if self.offload_optimizer and self.zero == 0:
+            problems.append("offload_optimizer (ZeRO-Offload) needs zero >= 1")
+        if not problems and self.spec.layers % self.pp:
+            problems.append(f"layers ({self.spec.layers}) must be divisible by pp ({self.pp})")
+        if problems:
+            raise ProfileError(f"invalid job for {self.spec.name!r}: " + "; ".join(problems))
+
+    @property
+    def gpus(self) -> int:
+        return self.par.tp * self.pp * self.dp
+
+    def stage_layers(self, stage: int) -> range:
+        per = self.spec.layers // self.pp
+        return range(stage * per, (stage + 1) * per)
+
+    def in_flight(self, stage: int) -> int:
+        """Micro-batches stage `stage` holds at its peak under 1F1B."""
+        return min(self.pp - stage, self.micro_batches)
+
+    def stage_parts(self, stage: int) -> dict:
+        return {"layers": self.stage_layers(stage), "embed": stage == 0, "head": stage == self.pp - 1}
+
+    def stage_params(self, stage: int) -> int:
+        """Weight elements one rank of the stage owns."""
+        return sum(region_params(self.spec, self.par, **self.stage_parts(stage)).values())
+
+
+def stage_profile(job: Job, hw, stage: int) -> StepProfile:
+    """One rank's profile of one micro-batch on `stage`."""
+    name = job.spec.name if job.pp == 1 else f"{job.spec.name}/stage{stage}"
+    return transformer_profile(job.spec, hw, job.par, name=name, **job.stage_parts(stage))
+
+
+# ---- 1F1B ----------------------------------------------------------------------------------------
+def one_f_one_b(pp: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
+    """Stage `stage`'s order of forwards ("F", j) and backwards ("B", j) under 1F1B."""
+    warm = min(pp - stage - 1, micro_batches)
+    order = [("F", j) for j in range(warm)]
+    for j in range(micro_batches - warm):
+        order += [("F", warm + j), ("B", j)]
+    order += [("B", j) for j in range(micro_batches - warm, micro_batches)]
+    return order
+
+
+@dataclass(frozen=True)
+class PipeEvent:
+    stage: int
+    kind: str  # "F" or "B"
+    micro_batch: int
+    start: float
+    end: float
+
+
+def simulate_pipeline(fwd_s: list[float], bwd_s: list[float], micro_batches: int,
+                      p2p_s: float = 0.0) -> tuple[PipeEvent, ...]:
+    """Event times of one 1F1B step: stage i's forward takes fwd_s[i], its backward bwd_s[i]; a
+    send between neighbouring stages takes p2p_s. Deterministic: each stage runs its order as soon
+    as its inputs have arrived."""
+    p = len(fwd_s)
+    orders = [one_f_one_b(p, micro_batches, i) for i in range(p)]
+    done: dict[tuple[int, str, int], float] = {}
+    pos, free, events = [0] * p, [0.0] * p, []
+    while any(pos[i] < len(orders[i]) for i in range(p)):
+        progressed = False
+        for i in range(p):
+            while pos[i] < len(orders[i]):
+                kind, j = orders[i][pos[i]]
+                if kind == "F":
+                    dep = (i - 1, "F", j) if i > 0 else None
+                else:
+                    dep = (i + 1, "B", j) if i < p - 1 else (i, "F", j)
+                if dep is not None and dep not in done:
+                    break
+                ready = 0.0 if dep is None else done[dep] + (p2p_s if dep[0] != i else 0.0)
+                start = max(free[i], ready)
+                end = start + (fwd_s[i] if kind == "F" else bwd_s[i])
+                done[i, kind, j] = free[i] = end
+                events.append(PipeEvent(i, kind, j, start, end))
+                pos[i] += 1
+                progressed = True
+        if not progressed:  # cannot happen for 1F1B orders; a guard against a broken schedule
+            raise SlackSwapError("pipeline schedule deadlocks")
+    return tuple(sorted(events, key=lambda e: (e.start, e.stage)))
+
+
+def stage_peaks(events: tuple[PipeEvent, ...], kept: list[int], peak: list[int]) -> list[int]:
+    """Each stage's peak device activation bytes over the step's events: the micro-batches whose
+    forward ended and whose backward has not keep `kept` bytes each; a running one adds its `peak`."""
+    out = [0] * len(kept)
+    for i in range(len(kept)):
+        mine = [e for e in events if e.stage == i]
+        f_end = {e.micro_batch: e.end for e in mine if e.kind == "F"}
+        b_end = {e.micro_batch: e.end for e in mine if e.kind == "B"}
+        for e in mine:
+            held = sum(1 for j, t in f_end.items() if j != e.micro_batch and t <= e.start < b_end[j])
+            out[i] = max(out[i], held * kept[i] + peak[i])
+    return out
+
+
+# ---- ZeRO-Offload's own traffic -------------------------------------------------------------------
+ZERO_PREFIX = "zero:grads:"
+
+
+def offload_grad_bytes(job: Job, stage: int) -> dict[str, int]:
+    """Bytes of gradients ZeRO-Offload copies to the host per region of `stage`, in every
+    micro-batch's backward (DeepSpeed accumulates them on the CPU): this rank's 1/dp partition of
+    the region's gradients, 16-bit. {} without optimizer offload."""
+    if not job.offload_optimizer:
+        return {}
+    params = region_params(job.spec, job.par, **job.stage_parts(stage))
+    return {r: n * GRAD_BYTES // job.dp for r, n in params.items() if n}
+
+
+def with_offload_traffic(schedule: Schedule, profile: StepProfile, grad_bytes: dict[str, int]) -> Schedule:
+    """`schedule` plus ZeRO-Offload's gradient copies: one D2H copy per region as soon as the
+    region's backward has finished (its gradients are complete), queued on the same copy engine
+    after the plan's own swap-outs. They hold no activation memory; they take link time (and, while
+    they run, the duplex penalty of every prefetch on the same GPU)."""
+    if not grad_bytes:
+        return schedule
+    bwd = {ins.name: i for i, ins in enumerate(schedule.instrs) if ins.kind is Kind.BWD}
+    first = {}
+    for o in profile.ops:
+        first.setdefault(o.region, o.key)
+    extra = [Instr("d2h", Kind.COPY_OUT, ZERO_PREFIX + r, nbytes=n, waits=(bwd[first[r]],))
+             for r, n in sorted(grad_bytes.items(), key=lambda rn: -profile.region_last_op[rn[0]])]
+    return Schedule(schedule.instrs + tuple(extra), schedule.act_bytes, schedule.plan)
+
+
+def offload_aware(share: Share, hw, job: Job, stage: int) -> Share:
+    """The share a plan must fit while ZeRO-Offload runs (`Share.beside_zero_offload`): this rank
+    pins the optimizer state of its 1/dp of the stage's parameters."""
+    if not job.offload_optimizer:
+        return share
+    owned = job.stage_params(stage) // job.dp
+    return share.beside_zero_offload(hw, owned * PINNED_OPTIMIZER_BYTES_PER_PARAM)
+
+
+# ---- per-stage plans -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    layers: range
+    in_flight: int
+    profile: StepProfile
+    plan: Plan
+    result: SimResult  # one micro-batch under the plan
+    budget_bytes: int  # the stage's
+    keep_all_bytes: int  # the stage's peak with nothing dropped: in_flight * saved bytes of a micro-batch
+    kept_bytes: int  # bytes a finished forward leaves on the device
+
+    @property
+    def fwd_s(self) -> float:
+        return self.result.fwd_s
+
+    @property
+    def bwd_s(self) -> float:
+        return self.result.step_s - self.result.fwd_s
+
+    @property
+    def peak_bytes(self) -> int:
+        return (self.in_flight - 1) * self.kept_bytes + self.result.peak_bytes
+
+
+def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswap", share: Share = PRIVATE,
+               profile: StepProfile | None = None, zero_aware: bool = True) -> StagePlan:
+    """The stage's plan: a per-micro-batch plan whose k in-flight copies meet the stage's budget
+    (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1). Each micro-batch is
+    simulated with ZeRO-Offload's gradient copies on the link; `zero_aware=False` plans as if they
+    were not there (what a planner that does not read the DeepSpeed config would do)."""
+    profile = profile or stage_profile(job, hw, stage)
+    traffic = offload_grad_bytes(job, stage)
+    run_share = share
+    if zero_aware:
+        share = offload_aware(share, hw, job, stage)
+    k = job.in_flight(stage)
+    keep_all_bytes = k * profile.total_bytes
+    if budget == float("inf"):
+        stage_budget = keep_all_bytes
+    else:
+        stage_budget = int(budget * keep_all_bytes) if budget <= 1 else int(budget)
+    fn = get_planner(planner)
+    if share.host_pool_bytes is not None:  # every in-flight micro-batch pins its swaps
+        share = dataclasses.replace(share, host_pool_bytes=share.host_pool_bytes // k)
+
+    def attempt(mb_budget: int) -> StagePlan | None:
+        try:
+            plan = fn(profile, hw, mb_budget, share=share)
+        except BudgetInfeasibleError:
+            return None
+        schedule = with_offload_traffic(lower(profile, plan), profile, traffic)
+        res = simulate(schedule, run_share.limit(hw), budget_bytes=mb_budget, record=False)
+        kept = plan.bytes_by_decision(profile)[Decision.KEEP]
+        return StagePlan(stage, job.stage_layers(stage), k, profile, plan, res, stage_budget, keep_all_bytes, kept)
+
+    # b = budget / k always fits (kept <= peak <= b); then raise b by what the others do not keep.
+    mb_budget = stage_budget // k
+    best = attempt(mb_budget)
+    if best is None and k > 1:
+        # No plan keeps one micro-batch within budget / k, but one that keeps less of each
+        # finished forward (swapping more) may meet the stage's budget with a larger b: bisect.
+        lo, hi = mb_budget, stage_budget
+        for _ in range(6):
+            mid = (lo + hi) // 2
+            trial = attempt(mid)
+            if trial is not None and trial.peak_bytes <= stage_budget:
+                best, lo = trial, mid
+            elif trial is None:
+                lo = mid
+            else:
+                hi = mid
+    if best is None:
+        raise BudgetInfeasibleError(f"stage {stage}: {planner} finds no plan whose {k} in-flight micro-batches "
+                                    f"fit the stage budget of {stage_budget:,} B")
+    for _ in range(4):
+        if k == 1:
+            break
+        bigger = stage_budget - (k - 1) * best.kept_bytes
+        if bigger <= best.plan.budget_bytes:
+            break
+        trial = attempt(bigger)
+        if trial is None or trial.peak_bytes > stage_budget:
+            break
+        if trial.result.step_s >= best.result.step_s:
+            break
+        best = trial
+    return best
+
+
+# ---- the whole step --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StepResult:
+    job: Job
+    stages: tuple[StagePlan, ...]
+    events: tuple[PipeEvent, ...]
+    pipeline_s: float  # the 1F1B part (forwards, backwards, bubbles, sends)
+    grad_comm_s: float  # data-parallel gradient reduction, exposed
+    optimizer_s: float  # optimizer step (and ZeRO-Offload's parameter copy back)
+    peaks: tuple[int, ...]  # per stage, from the events
+    ideal_s: float = float("nan")  # the same job with every activation kept (no memory limit)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def step_s(self) -> float:
+        return self.pipeline_s + self.grad_comm_s + self.optimizer_s
+
+    @property
+    def throughput(self) -> float:
+        return self.ideal_s / self.step_s
+
+
+def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap",
+                 share: Share | None = None, ideal_s: float = float("nan"), zero_aware: bool = True) -> StepResult:
+    """Plan every stage (one rank of it) and simulate one step of the job on `node`'s hardware."""
+    hw = node.gpu
+    share = share if share is not None else Share.of_node(node)
+    if job.gpus > node.gpus and node.internode_busbw == float("inf"):
+        raise SlackSwapError(f"node {node.name!r} has no internode_busbw: a {job.gpus}-GPU job spans nodes")
+    stages = tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware) for i in range(job.pp))
+    # point-to-point: one micro-batch's boundary activation, this rank's part (1/tp with the
+    # scatter-gather optimisation, Narayanan et al. 4.1), over this GPU's own network link
+    boundary = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes / job.par.tp
+    one_node = job.gpus <= node.gpus  # then every collective and send stays on the NVLink board
+    link_bps = hw.allreduce_busbw.at(boundary) if one_node and hw.allreduce_busbw else node.internode_busbw
+    p2p_s = boundary / link_bps if job.pp > 1 else 0.0
+    events = simulate_pipeline([s.fwd_s for s in stages], [s.bwd_s for s in stages], job.micro_batches, p2p_s)
+    pipeline_s = max(e.end for e in events)
+    peaks = tuple(stage_peaks(events, [s.kept_bytes for s in stages], [s.result.peak_bytes for s in stages]))
+    params = max(job.stage_params(i) for i in range(job.pp))  # the slowest stage sets the pace
+    grad_bytes = params * GRAD_BYTES
+    grad_comm_s = 0.0
+    if job.dp > 1:  # all-reduce, or reduce-scatter + all-gather: 2(n-1)/n of the buffer either way
+        if one_node and hw.allreduce_busbw is not None:
+            grad_comm_s = hw.collective_s("all_reduce", grad_bytes, job.dp)
+        else:
+            grad_comm_s = grad_bytes * 2 * (job.dp - 1) / job.dp / node.internode_busbw
+    owned = params // job.dp if job.zero >= 1 else params  # parameters whose optimizer state this rank holds
+    if job.offload_optimizer:
+        host_bps = node.socket_mem_bps / (node.gpus_per_switch * node.switches_per_socket)
+        optimizer_s = owned * CPU_ADAM_BYTES_PER_PARAM / host_bps + owned * GRAD_BYTES / share.h2d(hw)
+    else:
+        optimizer_s = owned * ADAM_BYTES_PER_PARAM / hw.hbm_bps
+    return StepResult(job, stages, events, pipeline_s, grad_comm_s, optimizer_s, peaks, ideal_s)
+
+
+def ideal_step_s(job: Job, node: Node, share: Share | None = None) -> float:
+    """The step with every activation kept and no memory limit (on the same share of the node)."""
+    return simulate_job(job, node, float("inf"), planner="keep-all", share=share).step_s

@@ -1,0 +1,145 @@
+"""Whole-job steps: 1F1B order and event times, per-stage memory with in-flight micro-batches,
+ZeRO-Offload's traffic on the link, and the job command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from slackswap_ds.cli import main
+from slackswap_ds.errors import ProfileError
+from slackswap_ds.hardware import load_node
+from slackswap_ds.plan import lower
+from slackswap_ds.pipeline import (
+    GRAD_BYTES,
+    PINNED_OPTIMIZER_BYTES_PER_PARAM,
+    ZERO_PREFIX,
+    Job,
+    PipeEvent,
+    offload_aware,
+    offload_grad_bytes,
+    one_f_one_b,
+    plan_stage,
+    simulate_job,
+    simulate_pipeline,
+    stage_profile,
+    with_offload_traffic,
+)
+from slackswap_ds.planners import PRIVATE, Share
+from slackswap_ds.simulator import simulate
+from slackswap_ds.workloads import PRESETS, Parallel, layer_activation_bytes
+
+NODE = load_node("dgx-a100")
+SMALL = dataclasses.replace(PRESETS["gpt3-175b"], name="small-gpt", layers=8, hidden=512, heads=8, kv_heads=8,
+                            ffn=2048, seq=256, vocab=4096)
+
+
+def test_one_f_one_b_orders():
+    assert one_f_one_b(3, 4, 0) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1), ("B", 2), ("B", 3)]
+    assert one_f_one_b(3, 4, 2) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2), ("F", 3), ("B", 3)]
+    assert one_f_one_b(4, 2, 0) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # fewer micro-batches than stages
+
+
+def test_a_tiny_pipeline_has_exact_event_times():
+    # 2 stages: forward 1 s / 2 s, backward 2 s / 4 s, sends 0.5 s, 3 micro-batches; by hand:
+    ev = simulate_pipeline([1.0, 2.0], [2.0, 4.0], 3, p2p_s=0.5)
+    got = {(e.stage, e.kind, e.micro_batch): (e.start, e.end) for e in ev}
+    assert got == {
+        (0, "F", 0): (0.0, 1.0), (0, "F", 1): (1.0, 2.0),  # warm-up: p - i - 1 = 1 forward, then F1
+        (1, "F", 0): (1.5, 3.5),  # F(0,0) ends at 1, + 0.5 send
+        (1, "B", 0): (3.5, 7.5),  # the last stage turns around at once
+        (0, "B", 0): (8.0, 10.0),  # B(1,0) ends at 7.5, + 0.5 send
+        (1, "F", 1): (7.5, 9.5),  # its input arrived at 2.5; the stage was busy until 7.5
+        (1, "B", 1): (9.5, 13.5),
+        (0, "F", 2): (10.0, 11.0),
+        (0, "B", 1): (14.0, 16.0),
+        (1, "F", 2): (13.5, 15.5),
+        (1, "B", 2): (15.5, 19.5),
+        (0, "B", 2): (20.0, 22.0),
+    }
+    assert all(isinstance(e, PipeEvent) for e in ev)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_stage_keep_all_bytes_are_in_flight_micro_batches_of_the_published_formula(sp):
+    # Korthikanti et al.: a layer saves s·b·h·(10 + 24/t + 5as/(ht)) bytes with TP, s·b·h/t·(34 + 5as/h)
+    # with TP + SP; under 1F1B stage i holds p - i micro-batches.
+    job = Job(SMALL, Parallel(4, sp), pp=4, micro_batches=8)
+    per_layer = layer_activation_bytes(SMALL, job.par)
+    s, b, h, a, t = SMALL.seq, SMALL.micro_batch, SMALL.hidden, SMALL.heads, 4
+    assert per_layer == ((34 * s * b * h + 5 * a * s * s * b) // t if sp
+                         else 10 * s * b * h + (24 * s * b * h + 5 * a * s * s * b) // t)
+    for i in (1, 2):  # middle stages: layers only
+        sp_ = plan_stage(job, NODE.gpu, i, float("inf"), "keep-all")
+        assert sp_.in_flight == 4 - i
+        assert sp_.keep_all_bytes == (4 - i) * 2 * per_layer == sp_.peak_bytes
+
+
+def test_stage_peaks_from_the_events_equal_the_in_flight_formula():
+    job = Job(SMALL, Parallel(2, True), pp=4, micro_batches=6)
+    res = simulate_job(job, NODE, 0.7)
+    for i, st in enumerate(res.stages):
+        assert res.peaks[i] == (job.in_flight(i) - 1) * st.kept_bytes + st.result.peak_bytes
+        assert res.peaks[i] <= st.budget_bytes
+    assert res.stages[0].in_flight == 4 and res.stages[3].in_flight == 1
+    digests = {st.plan.digest for st in res.stages}
+    assert len(digests) == 4  # every stage has its own plan
+    assert res.step_s == pytest.approx(res.pipeline_s + res.grad_comm_s + res.optimizer_s)
+
+
+def test_zero_offload_gradient_copies_are_on_the_link_in_the_event_log():
+    job = Job(SMALL, dp=2, zero=2, offload_optimizer=True)
+    profile = stage_profile(job, NODE.gpu, 0)
+    grads = offload_grad_bytes(job, 0)
+    plan = plan_stage(job, NODE.gpu, 0, 0.5, "slackswap", PRIVATE).plan
+    res = simulate(with_offload_traffic(lower(profile, plan), profile, grads), NODE.gpu)
+    copies = [e for e in res.events if e.name.startswith(ZERO_PREFIX)]
+    assert {e.name[len(ZERO_PREFIX):]: e.nbytes for e in copies} == grads
+    # this rank's half of the 16-bit gradients (per region, rounded down)
+    assert sum(grads.values()) == pytest.approx(job.stage_params(0) * GRAD_BYTES / 2, abs=len(grads))
+    assert all(e.stream == "d2h" for e in copies)
+    bwd_end = {e.name: e.end for e in res.events if e.kind == "bwd"}
+    first = {}
+    for o in profile.ops:
+        first.setdefault(o.region, o.key)
+    for e in copies:  # each leaves once its region's backward is done
+        assert e.start >= bwd_end[first[e.name[len(ZERO_PREFIX):]]] - 1e-12
+    assert res.bytes_d2h >= sum(grads.values())
+
+
+def test_a_zero_offload_aware_share_plans_with_the_duplex_rate_and_the_pool_left():
+    job = Job(SMALL, dp=2, zero=1, offload_optimizer=True)
+    share = Share(host_pool_bytes=10**12)
+    aware = offload_aware(share, NODE.gpu, job, 0)
+    assert aware.h2d(NODE.gpu) == NODE.gpu.duplex_h2d_bps
+    assert aware.host_pool_bytes == 10**12 - job.stage_params(0) // 2 * PINNED_OPTIMIZER_BYTES_PER_PARAM
+    assert offload_aware(share, NODE.gpu, Job(SMALL), 0) == share
+
+
+def test_bad_jobs_are_refused_with_every_reason():
+    with pytest.raises(ProfileError) as e:
+        Job(SMALL, pp=3, zero=3, dp=0)
+    msg = str(e.value)
+    assert "dp must be a positive integer" in msg and "zero must be 0, 1 or 2" in msg
+    with pytest.raises(ProfileError, match=r"layers \(8\) must be divisible by pp \(3\)"):
+        Job(SMALL, pp=3)
+    with pytest.raises(ProfileError, match="needs zero >= 1"):
+        Job(SMALL, offload_optimizer=True)
+
+
+def test_the_job_command_prints_per_stage_peaks_and_plans(capsys):
+    argv = ["simulate", "-w", "llama-7b", "--layers", "8", "--seq", "512", "--micro-batch", "1", "--tp", "2", "--sp",
+            "--pp", "2", "--dp", "2", "--zero", "1", "--micro-batches", "4", "-p", "slackswap", "full-recompute"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "8 GPUs: tp 2 + sp, pp 2, dp 2, zero 1" in out and "stages under slackswap" in out
+    assert main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["planner"] for r in rows] == ["slackswap", "full-recompute"]
+    for r in rows:
+        assert [s["in_flight"] for s in r["stages"]] == [2, 1]
+        assert all(s["peak_bytes"] <= s["budget_bytes"] for s in r["stages"])
+    assert main(["simulate", "--hardware", "a100-80g-pcie4", "--pp", "2"]) == 2
+    assert "give --node" in capsys.readouterr().err
