@@ -450,7 +450,8 @@ DEFAULT_JOB_NODE = "dgx-a100"
 
 
 def _is_job(args: argparse.Namespace) -> bool:
-    return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer) != (1, 1, 0, 1, False)
+    return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm) != \
+        (1, 1, 0, 1, False, False)
 
 
 def cmd_simulate_job(args: argparse.Namespace) -> int:
@@ -470,7 +471,8 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
     par = _parallel(args)
     rows, out = [], sys.stdout
     for wl in _workloads(args, ("llama-70b",)):
-        job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer)
+        job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
+                  args.overlap_comm)
         ideal = ideal_step_s(job, node)
         for budget in budgets:
             if not budget.is_fraction:
@@ -494,6 +496,7 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
 def _job_row(wl: Workload, job, node: Node, budget: Budget, planner: str, res, err: str | None, ideal: float) -> dict:
     row = {"workload": wl.name, "node": node.name, "tp": job.par.tp, "sp": job.par.sp, "pp": job.pp, "dp": job.dp,
            "zero": job.zero, "micro_batches": job.micro_batches, "offload_optimizer": job.offload_optimizer,
+           "overlap_comm": job.overlap_grad_comm,
            "budget": budget.json_value, "planner": planner, "ideal_s": ideal, "feasible": res is not None}
     if res is None:
         return {**row, "error": err}
@@ -509,7 +512,8 @@ def _job_row(wl: Workload, job, node: Node, budget: Budget, planner: str, res, e
 
 def _job_table(wl: Workload, job, node: Node, budget: Budget, results: list, ideal: float) -> list[str]:
     cut = f"tp {job.par.tp}{' + sp' if job.par.sp else ''}, pp {job.pp}, dp {job.dp}, zero {job.zero}" + \
-        (" with optimizer offload" if job.offload_optimizer else "")
+        (" with optimizer offload" if job.offload_optimizer else "") + \
+        (", gradients reduced during backward" if job.overlap_grad_comm else "")
     lines = [f"{wl.spec.name} on {node.name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
              f"{wl.spec.micro_batch} x {wl.spec.seq} per step and pipeline, 1F1B",
              f"  ideal step {ideal:.3f} s (every activation kept); budget {budget} of each stage's keep-all peak",
@@ -602,6 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-batches per step and pipeline (gradient accumulation; default 1)")
         p.add_argument("--offload-optimizer", action="store_true",
                        help="ZeRO-Offload: optimizer state and step on the CPU (needs --zero 1 or 2)")
+        p.add_argument("--overlap-comm", action="store_true",
+                       help="reduce each layer's gradients while backward goes on (DeepSpeed's overlap_comm)")
 
     sim = sub.add_parser("simulate", help="simulate planners on workloads and compare throughput",
                          description="Plan and simulate one training step per (workload, budget, planner).")

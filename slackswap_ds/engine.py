@@ -182,6 +182,7 @@ class SlackSwapRuntime:
     node_ranks: int = 1  # ranks on this rank's node (from the node facts)
     rank0_share: Any = None  # rank 0's Share (a rank logs its plan line only where its own differs)
     report: dict = field(default_factory=dict)  # since the last log_every report: steps, seconds, peak, fallbacks
+    _said_offload_param: bool = False
 
     def attach(self) -> None:
         engine = self.engine
@@ -593,6 +594,12 @@ class SlackSwapRuntime:
                 + ". Data-parallel replicas must run the same model on the same input shapes at each step "
                   "(pad variable-length batches to a common length, e.g. with slackswap_ds.pad_to_multiple)")
         pinned = _zero_offload_pinned_bytes(self.engine)
+        offload_param = getattr(self.engine, "zero_offload_param", lambda: None)()
+        if offload_param is not None and not self._said_offload_param:
+            self._said_offload_param = True
+            log.warning("slackswap: ZeRO-Infinity parameter offload (offload_param) moves every layer's parameters "
+                        "over the host link in forward and backward; plans do not account for that traffic yet, so "
+                        "prefetches may stall (not the gradients: those stay exact)")
         shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node, pinned or 0)
         if pinned is not None:  # every replica runs the same ZeRO config: the same link penalty for all
             shares = [s.beside_zero_offload(self.hw, 0) for s in shares]

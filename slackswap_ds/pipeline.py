@@ -14,17 +14,18 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
   bytes on the device (swapped ones are on the host, recomputed ones were never stored); the one
   running adds its own simulated peak. So peak_i = (k_i - 1) * kept + peak of one micro-batch, and
   `plan_stage` searches the per-micro-batch budget that makes this meet the stage's budget.
-* After the last backward: data-parallel gradient reduction (all-reduce, or reduce-scatter +
-  all-gather with ZeRO >= 1: the same bytes) over NVLink when the job fits on one node, else over
-  each GPU's own network link; exposed (DeepSpeed's
-  `overlap_comm` defaults to false for ZeRO 1-2), then the optimizer: fused Adam at HBM speed over
+* Data-parallel gradient reduction (all-reduce, or reduce-scatter + all-gather with ZeRO >= 1: the
+  same bytes) over NVLink when the job fits on one node, else over each GPU's own network link, one
+  bucket per layer: after the stage's last backward (DeepSpeed's `overlap_comm` defaults to false for
+  ZeRO 1-2), or with `overlap_grad_comm` each bucket as soon as its layer's last backward is done.
+  Then the optimizer: fused Adam at HBM speed over
   this rank's parameters (1/dp of them with ZeRO >= 1), or with ZeRO-Offload CPU Adam at this
   GPU's share of its socket's memory bandwidth plus the copy of the updated 16-bit parameters back
   to the device. Stage-to-stage sends carry one micro-batch's boundary activation (1/tp of it per
   rank, Megatron's scatter-gather) at the same link's rate.
 
 Not modelled: the interleaved 1F1B schedule (Megatron's virtual stages: a smaller bubble), ZeRO
-stage 3 / FSDP parameter gathers, overlap of gradient reduction with backward, and plans that know
+stage 3 / FSDP parameter gathers, and plans that know
 a stage's finished forwards are held k-1 times (the per-micro-batch planners never drop tensors of
 the region that runs last, which 1F1B still holds).
 
@@ -61,6 +62,7 @@ class Job:
     micro_batches: int = 1  # per step and pipeline (gradient accumulation)
     zero: int = 0  # DeepSpeed ZeRO stage 0-2 (3 shards parameters: not modelled)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state and step on the CPU
+    overlap_grad_comm: bool = False  # reduce each layer's gradients while backward goes on (DeepSpeed overlap_comm)
 
     def __post_init__(self) -> None:
         problems = []
@@ -247,10 +249,13 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
         share = offload_aware(share, hw, job, stage)
     k = job.in_flight(stage)
     keep_all_bytes = k * profile.total_bytes
-    if budget == float("inf"):
+    if budget == float("inf"):  # no limit: the keep-all peak
         stage_budget = keep_all_bytes
-    else:
-        stage_budget = int(budget * keep_all_bytes) if budget <= 1 else int(budget)
+    else:  # the one budget parser's rules (a fraction in (0, 1], else whole bytes)
+        from .config import parse_budget_value
+
+        value = parse_budget_value(budget)
+        stage_budget = int(value * keep_all_bytes) if isinstance(value, float) else int(value)
     fn = get_planner(planner)
     if share.host_pool_bytes is not None:  # every in-flight micro-batch pins its swaps
         share = dataclasses.replace(share, host_pool_bytes=share.host_pool_bytes // k)
@@ -338,14 +343,11 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     events = simulate_pipeline([s.fwd_s for s in stages], [s.bwd_s for s in stages], job.micro_batches, p2p_s)
     pipeline_s = max(e.end for e in events)
     peaks = tuple(stage_peaks(events, [s.kept_bytes for s in stages], [s.result.peak_bytes for s in stages]))
+    finish = [max(e.end for e in events if e.stage == i) for i in range(job.pp)]
+    if job.dp > 1:
+        finish = [_reduce_gradients(job, hw, node, st, events, one_node) for st in stages]
+    grad_comm_s = max(finish) - pipeline_s  # what gradient reduction adds after the pipeline drains
     params = max(job.stage_params(i) for i in range(job.pp))  # the slowest stage sets the pace
-    grad_bytes = params * GRAD_BYTES
-    grad_comm_s = 0.0
-    if job.dp > 1:  # all-reduce, or reduce-scatter + all-gather: 2(n-1)/n of the buffer either way
-        if one_node and hw.allreduce_busbw is not None:
-            grad_comm_s = hw.collective_s("all_reduce", grad_bytes, job.dp)
-        else:
-            grad_comm_s = grad_bytes * 2 * (job.dp - 1) / job.dp / node.internode_busbw
     owned = params // job.dp if job.zero >= 1 else params  # parameters whose optimizer state this rank holds
     if job.offload_optimizer:
         host_bps = node.socket_mem_bps / (node.gpus_per_switch * node.switches_per_socket)
@@ -353,6 +355,34 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     else:
         optimizer_s = owned * ADAM_BYTES_PER_PARAM / hw.hbm_bps
     return StepResult(job, stages, events, pipeline_s, grad_comm_s, optimizer_s, peaks, ideal_s)
+
+
+def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[PipeEvent, ...],
+                      one_node: bool) -> float:
+    """When stage `st`'s replicas have reduced their gradients (all-reduce, or reduce-scatter +
+    all-gather with ZeRO >= 1: 2(n-1)/n of the buffer either way), over NVLink on one node, else
+    over each GPU's own network link. One bucket per region, sent in backward order, each as soon
+    as the last micro-batch's backward of its region is done when `overlap_grad_comm`, else all
+    after the stage's last backward."""
+    last = max((e for e in events if e.stage == st.stage and e.kind == "B"), key=lambda e: e.end)
+    params = region_params(job.spec, job.par, **job.stage_parts(st.stage))
+    bwd = {}
+    for o in st.profile.ops:
+        bwd[o.region] = bwd.get(o.region, 0.0) + o.bwd_s
+    order = sorted(bwd, key=lambda r: -st.profile.region_last_op[r])  # backward visits regions in reverse
+    scale = (last.end - last.start) / sum(bwd.values()) if sum(bwd.values()) > 0 else 0.0
+    t, done = 0.0, last.start
+    for r in order:
+        done += bwd[r] * scale  # the region's backward ends (recompute and stalls spread evenly)
+        nbytes = params.get(r, 0) * GRAD_BYTES
+        if not nbytes:
+            continue
+        if one_node and hw.allreduce_busbw is not None:
+            comm = hw.collective_s("all_reduce", nbytes, job.dp)
+        else:
+            comm = nbytes * 2 * (job.dp - 1) / job.dp / node.internode_busbw
+        t = max(t, done if job.overlap_grad_comm else last.end) + comm
+    return max(last.end, t)
 
 
 def ideal_step_s(job: Job, node: Node, share: Share | None = None) -> float:

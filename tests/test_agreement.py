@@ -91,6 +91,8 @@ def test_a_plan_that_arrives_unreadable_is_named_not_a_crash():
 
 
 def test_the_engine_coordinates_nodes_over_the_store():
+    from slackswap_ds.planners.common import water_fill
+
     node = load_node("dgx-a100")
     rows = run_ranks("coordinate")
     assert {r["channel"] for r in rows} == {"StoreChannel"}
@@ -98,9 +100,10 @@ def test_the_engine_coordinates_nodes_over_the_store():
         pair = [rows[r] for r in members]
         assert sum(r["d2h"] for r in pair) == node.switch_uplink_bps
         assert sum(r["h2d"] for r in pair) == node.switch_uplink_bps
-        # the pool (64 KiB per node) is far below the demands: split in proportion to them
+        # the pool (64 KiB per node) is far below both demands: split max-min fairly, i.e. evenly
         demands = [r["demand"] for r in pair]
-        assert [r["pool"] for r in pair] == [65536 * d // sum(demands) for d in demands]
+        assert min(demands) > 65536 // 2
+        assert [r["pool"] for r in pair] == water_fill(65536, demands) == [32768, 32768]
     # rank 0 plans with the tightest share of all four: the least link and the least pool
     assert all(r["plan_d2h"] == min(x["d2h"] for x in rows) for r in rows)
     assert all(r["plan_pool"] == min(x["pool"] for x in rows) for r in rows)

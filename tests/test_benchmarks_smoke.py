@@ -170,3 +170,22 @@ def test_overhead_cpu_prints_the_comparison(capsys):
     for row in ("slackswap keep-all", "slackswap recompute R", "torch SAC, policy R", "torch checkpoint"):
         assert row in out
     assert "target: slackswap recompute R adds <= torch SAC" in out
+
+
+def test_fidelity_prints_every_row_with_its_ratio(tmp_path, capsys):
+    from benchmarks import fidelity
+
+    out = tmp_path / "fidelity.json"
+    assert fidelity.main(["--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 17 and all(r["ratio"] == r["predicted"] / r["measured"] for r in rows)
+    assert all(r["note"] for r in rows if not r["within_target"])  # every miss says why
+    assert "rows within" in capsys.readouterr().out
+
+
+def test_zero_offload_compares_both_plans(capsys):
+    from benchmarks import zero_offload
+
+    assert zero_offload.main() == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if "ZeRO" in l]
+    assert len(lines) == 8 and sum("knows ZeRO" in l for l in lines) == 4

@@ -314,3 +314,14 @@ def test_plan_from_a_model_config(capsys, tmp_path):
     assert Plan.load(out).planner == "slackswap"
     assert main(["plan", "--budget", "0.5", "-o", str(out)]) == 2
     assert "give --workload W or --model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("config", ["gpt2-xl", "bert-large-uncased", "Llama-2-7b-hf", "Mistral-7B-v0.1", "Qwen2-7B",
+                                    "Mixtral-8x7B-v0.1"])
+def test_every_supported_family_simulates_from_its_config(capsys, config):
+    # two layers: the head's vocabulary-sized log-probs are most of the step, so a loose budget
+    rows = run_json(capsys, "--model", f"{HF}/{config}.json", "--seq", "128", "--micro-batch", "1", "--layers", "2",
+                    "--budget", "0.9", "--planner", "slackswap", "keep-all")
+    assert [r["planner"] for r in rows] == ["slackswap", "keep-all"]
+    assert rows[0]["feasible"] and rows[0]["peak_bytes"] <= rows[0]["budget_bytes"]
+    assert not rows[1]["feasible"]  # keep-all is over any budget below the keep-all peak

@@ -343,3 +343,35 @@ def test_readme_table_matches_model():
     table = "\n".join(lines[start:end]) + "\n"
     assert table == field_table(), "README's table is stale: paste slackswap_ds.config.field_table() into it"
     assert len(lines[start:end]) == 2 + len(FIELDS)
+
+
+# One budget parser: the config, the command line and the planner API read the same text the same way.
+_BUDGETS = [  # (as written, bytes for a keep-all peak of 1000 B, or None if refused)
+    (0.5, 500), ("0.5", 500), ("50%", 500), (1, 1000), ("100%", 1000), (4096, 4096), ("4096", 4096),
+    ("4KiB", 4096), ("1.5KiB", 1536), ("8e3", 8000), (8e3, None), (1.5, None), ("1.5", None), (0, None),
+    ("0", None), (-1, None), ("half", None), ("150%", None), (True, None),
+]
+
+
+@pytest.mark.parametrize("written, want", _BUDGETS)
+def test_one_budget_parser_for_config_command_line_and_api(written, want):
+    import argparse
+
+    from slackswap_ds.cli import parse_budget
+    from slackswap_ds.planners import resolve_budget
+    from slackswap_ds.profile import Activation, Op, StepProfile
+
+    profile = StepProfile("p", [Op("a:0", 1, 1, "a")], [Activation("a:x", 1000, (0,))])
+    if want is None:
+        with pytest.raises(ConfigError):
+            load_config({"slackswap": {"activation_budget": written}})
+        with pytest.raises(ValueError):
+            resolve_budget(written, profile)
+        if isinstance(written, str):  # the command line reads text
+            with pytest.raises(argparse.ArgumentTypeError):
+                parse_budget(written)
+        return
+    assert load_config({"slackswap": {"activation_budget": written}}).budget_for(1000) == want
+    assert resolve_budget(written, profile) == want
+    if isinstance(written, str):
+        assert parse_budget(written).resolve(profile) == want

@@ -143,3 +143,19 @@ def test_the_job_command_prints_per_stage_peaks_and_plans(capsys):
         assert all(s["peak_bytes"] <= s["budget_bytes"] for s in r["stages"])
     assert main(["simulate", "--hardware", "a100-80g-pcie4", "--pp", "2"]) == 2
     assert "give --node" in capsys.readouterr().err
+
+
+def test_gradient_reduction_overlapped_with_backward_leaves_only_the_tail_exposed():
+    from slackswap_ds.pipeline import GRAD_BYTES
+    from slackswap_ds.workloads import region_params
+
+    base = Job(SMALL, dp=4, zero=1)
+    after = simulate_job(base, NODE, float("inf"), "keep-all")
+    during = simulate_job(dataclasses.replace(base, overlap_grad_comm=True), NODE, float("inf"), "keep-all")
+    params = region_params(SMALL)
+    comm = {r: NODE.gpu.collective_s("all_reduce", n * GRAD_BYTES, 4) for r, n in params.items() if n}
+    # after backward: every bucket in a row (one node: NVLink); during: at least the embedding's
+    # bucket, the last one backward makes, is left after it
+    assert after.grad_comm_s == pytest.approx(sum(comm.values()), rel=1e-9)
+    assert comm["embed"] - 1e-12 <= during.grad_comm_s < after.grad_comm_s
+    assert during.pipeline_s == after.pipeline_s

@@ -130,11 +130,18 @@ def keep_all_result(profile: StepProfile, hw: Hardware) -> SimResult:
     return SimResult(**{**res.__dict__, "ideal_s": res.step_s})
 
 
-def resolve_budget(budget: float | int, profile: StepProfile) -> int:
-    """A fraction in (0, 1] means that fraction of the keep-all peak; a larger number means bytes."""
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
-        raise ValueError(f"budget must be a fraction in (0, 1] or a positive number of bytes, got {budget!r}")
-    return int(budget * profile.total_bytes) if budget <= 1 else int(budget)
+def resolve_budget(budget: float | int | str, profile: StepProfile) -> int:
+    """The budget in bytes for `profile`, read by the one budget parser (`config.parse_budget_value`,
+    as the config and the command line read it): a number in (0, 1] or a percentage is that
+    fraction of the keep-all peak; a larger whole number or a size ("12GiB") is bytes."""
+    from ..config import parse_budget_value
+
+    try:
+        value = parse_budget_value(budget)
+    except ValueError as e:
+        raise ValueError(f"budget must be a fraction in (0, 1] or a positive number of bytes, got {budget!r}: {e}") \
+            from None
+    return int(value * profile.total_bytes) if isinstance(value, float) else int(value)
 
 
 class RegionModel:
