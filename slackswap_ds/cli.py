@@ -2,8 +2,13 @@
 
     slackswap simulate [--workload W ... | --model config.json ...] [--budget B ...] [--hardware H | --node N]
                        [--planner P ...] [--seq S] [--micro-batch M] [--layers L] [--tp T [--sp]]
-                       [--json] [--trace FILE] [--plot FILE]
-    slackswap plan --workload W --budget B [--hardware H | --node N] [--planner P] -o plan.json
+                       [--pp P] [--dp D] [--zero Z] [--micro-batches M] [--offload-optimizer]
+                       [--overlap-comm] [--json] [--trace FILE] [--plot FILE]
+    slackswap plan (--workload W | --model config.json) --budget B [--hardware H | --node N] [--planner P]
+                   [--tp T [--sp]] -o plan.json
+
+With --pp, --dp, --zero, --micro-batches, --offload-optimizer or --overlap-comm, `simulate` simulates a
+whole job (`pipeline.simulate_job`): one table per workload and budget, with each stage's plan.
 
 A budget is a fraction of the keep-all activation peak (``0.5``, ``50%``) or a byte size (``12GiB``,
 ``8e9``, ``16GB``). User errors (unknown names, bad files, an infeasible budget for ``plan``) print

@@ -237,11 +237,14 @@ class StagePlan:
 
 
 def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswap", share: Share = PRIVATE,
-               profile: StepProfile | None = None, zero_aware: bool = True) -> StagePlan:
+               profile: StepProfile | None = None, zero_aware: bool = True,
+               micro_batch_fraction: float | None = None) -> StagePlan:
     """The stage's plan: a per-micro-batch plan whose k in-flight copies meet the stage's budget
     (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1). Each micro-batch is
     simulated with ZeRO-Offload's gradient copies on the link; `zero_aware=False` plans as if they
-    were not there (what a planner that does not read the DeepSpeed config would do)."""
+    were not there (what a planner that does not read the DeepSpeed config would do).
+    `micro_batch_fraction`: plan each micro-batch at that fraction of its keep-all bytes instead of
+    searching (the same per-micro-batch budget on every stage, as one plan for all stages would)."""
     profile = profile or stage_profile(job, hw, stage)
     traffic = offload_grad_bytes(job, stage)
     run_share = share
@@ -270,6 +273,12 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
         kept = plan.bytes_by_decision(profile)[Decision.KEEP]
         return StagePlan(stage, job.stage_layers(stage), k, profile, plan, res, stage_budget, keep_all_bytes, kept)
 
+    if micro_batch_fraction is not None:
+        fixed = attempt(int(micro_batch_fraction * profile.total_bytes))
+        if fixed is None:
+            raise BudgetInfeasibleError(f"stage {stage}: {planner} cannot plan one micro-batch within "
+                                        f"{micro_batch_fraction:.3f} of its keep-all bytes")
+        return dataclasses.replace(fixed, budget_bytes=max(stage_budget, fixed.peak_bytes))
     # b = budget / k always fits (kept <= peak <= b); then raise b by what the others do not keep.
     mb_budget = stage_budget // k
     best = attempt(mb_budget)
@@ -327,13 +336,20 @@ class StepResult:
 
 
 def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap",
-                 share: Share | None = None, ideal_s: float = float("nan"), zero_aware: bool = True) -> StepResult:
-    """Plan every stage (one rank of it) and simulate one step of the job on `node`'s hardware."""
+                 share: Share | None = None, ideal_s: float = float("nan"), zero_aware: bool = True,
+                 one_plan: bool = False) -> StepResult:
+    """Plan every stage (one rank of it) and simulate one step of the job on `node`'s hardware.
+    `one_plan`: every stage plans its micro-batches at the budget fraction the tightest stage (the
+    first: most micro-batches in flight) needs, as one job-wide plan policy would, instead of each
+    stage meeting its own budget."""
     hw = node.gpu
     share = share if share is not None else Share.of_node(node)
     if job.gpus > node.gpus and node.internode_busbw == float("inf"):
         raise SlackSwapError(f"node {node.name!r} has no internode_busbw: a {job.gpus}-GPU job spans nodes")
-    stages = tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware) for i in range(job.pp))
+    first = plan_stage(job, hw, 0, budget, planner, share, zero_aware=zero_aware)
+    fraction = first.plan.budget_bytes / first.profile.total_bytes if one_plan else None
+    stages = (first,) + tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware,
+                                         micro_batch_fraction=fraction) for i in range(1, job.pp))
     # point-to-point: one micro-batch's boundary activation, this rank's part (1/tp with the
     # scatter-gather optimisation, Narayanan et al. 4.1), over this GPU's own network link
     boundary = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes / job.par.tp

@@ -203,6 +203,16 @@ PRESETS: dict[str, ModelSpec] = {
             "of its layers, Table 5 its iteration)."
         ),
     ),
+    "llama-13b": ModelSpec(
+        name="llama-13b", layers=40, hidden=5120, heads=40, kv_heads=40, ffn=13824, ffn_kind="swiglu",
+        norm="rmsnorm", norm_placement="pre", dropout=0.0, vocab=32000, seq=2048, micro_batch=2,
+        dtype_bytes=2, flash=True, rope=True,
+        source=(
+            "dims: LLaMA-13B (Touvron et al. 2023: 40 layers, d 5120, 40 heads, SwiGLU ffn 13824, RMSNorm, RoPE, "
+            "vocab 32000). seq 2048 / micro-batch 2: " + _LLM_FOUNDRY + ", row '13b | 2048 | 8 | a100_80gb': "
+            "MicroBatchSize 2, no activation checkpointing (MPT-13B, a model of the same width and depth)."
+        ),
+    ),
     "llama-70b": ModelSpec(
         name="llama-70b", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, ffn_kind="swiglu",
         norm="rmsnorm", norm_placement="pre", dropout=0.0, vocab=32000, seq=2048, micro_batch=8,

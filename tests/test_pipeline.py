@@ -159,3 +159,29 @@ def test_gradient_reduction_overlapped_with_backward_leaves_only_the_tail_expose
     assert after.grad_comm_s == pytest.approx(sum(comm.values()), rel=1e-9)
     assert comm["embed"] - 1e-12 <= during.grad_comm_s < after.grad_comm_s
     assert during.pipeline_s == after.pipeline_s
+
+
+def test_one_plan_for_all_stages_uses_the_tightest_stages_fraction_everywhere():
+    job = Job(SMALL, pp=4, micro_batches=8)
+    budget = int(0.6 * job.in_flight(0) * stage_profile(job, NODE.gpu, 0).total_bytes)  # bytes: one GPU's memory
+    per = simulate_job(job, NODE, budget, "slackswap")
+    one = simulate_job(job, NODE, budget, "slackswap", one_plan=True)
+    assert per.stages[0].plan == one.stages[0].plan  # stage 0 is the tightest: the same plan
+    fraction = one.stages[0].plan.budget_bytes / one.stages[0].profile.total_bytes
+    for st in one.stages[1:]:
+        assert st.plan.budget_bytes == int(fraction * st.profile.total_bytes)
+    assert all(p <= budget for p in per.peaks) and all(p <= budget for p in one.peaks)
+    assert sum(per.peaks) >= sum(one.peaks)  # per-stage plans use the memory later stages have free
+    assert per.step_s <= one.step_s + 1e-12
+
+
+def test_pipeline_node_benchmark_prints_both_policies(capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import pipeline_node
+
+    assert pipeline_node.main() == 0
+    out = capsys.readouterr().out
+    assert out.count("per stage") == len(pipeline_node.FRACTIONS) + 1 and out.count("one plan") == 3
