@@ -6,8 +6,8 @@ A DGX-A100 node runs a Llama-13B-style job (preset llama-13b) in 4 pipeline stag
 replicas, 8 micro-batches per step, ZeRO stage 1. Every GPU has the same memory, so every stage gets
 the same activation budget in bytes (a fraction of stage 0's keep-all peak, the largest: under 1F1B
 stage i holds 4 - i micro-batches). "per stage": each stage plans to its own budget (the fewer
-micro-batches it holds, the more of each it may keep). "one plan": every stage plans each
-micro-batch at the fraction stage 0 needs, as a job-wide plan would. Both on the slackswap planner.
+micro-batches it holds, the more of each it may keep). "one plan": every stage plans as if it held
+stage 0's four micro-batches, as a job-wide plan policy would. Both on the slackswap planner.
 """
 
 from __future__ import annotations

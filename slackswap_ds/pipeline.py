@@ -13,7 +13,8 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
 * Memory per stage: each micro-batch runs the stage's plan. A finished forward leaves its kept
   bytes on the device (swapped ones are on the host, recomputed ones were never stored); the one
   running adds its own simulated peak. So peak_i = (k_i - 1) * kept + peak of one micro-batch, and
-  `plan_stage` searches the per-micro-batch budget that makes this meet the stage's budget.
+  `plan_stage` asks the planners for exactly that (`holds` = k_i): dropping a tensor then helps
+  k_i - 1 times over, the last region's too.
 * Data-parallel gradient reduction (all-reduce, or reduce-scatter + all-gather with ZeRO >= 1: the
   same bytes) over NVLink when the job fits on one node, else over each GPU's own network link, one
   bucket per layer: after the stage's last backward (DeepSpeed's `overlap_comm` defaults to false for
@@ -34,10 +35,9 @@ Every rate comes from the hardware presets; the step is deterministic.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
-from .errors import BudgetInfeasibleError, ProfileError, SlackSwapError
+from .errors import ProfileError, SlackSwapError
 from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule, lower
 from .planners import PRIVATE, Share, get_planner
@@ -237,14 +237,14 @@ class StagePlan:
 
 
 def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswap", share: Share = PRIVATE,
-               profile: StepProfile | None = None, zero_aware: bool = True,
-               micro_batch_fraction: float | None = None) -> StagePlan:
-    """The stage's plan: a per-micro-batch plan whose k in-flight copies meet the stage's budget
-    (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1). Each micro-batch is
-    simulated with ZeRO-Offload's gradient copies on the link; `zero_aware=False` plans as if they
-    were not there (what a planner that does not read the DeepSpeed config would do).
-    `micro_batch_fraction`: plan each micro-batch at that fraction of its keep-all bytes instead of
-    searching (the same per-micro-batch budget on every stage, as one plan for all stages would)."""
+               profile: StepProfile | None = None, zero_aware: bool = True, holds: int | None = None) -> StagePlan:
+    """The stage's plan: one micro-batch's plan made knowing that the stage holds k of them at
+    once (the planners' `holds`: the k-1 finished forwards keep their kept bytes), within the
+    stage's budget (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1; inf: no
+    limit). Each micro-batch is simulated with ZeRO-Offload's gradient copies on the link;
+    `zero_aware=False` plans as if they were not there (what a planner that does not read the
+    DeepSpeed config would do). `holds`: plan for that many micro-batches instead of k (one plan
+    policy for every stage plans each for stage 0's count)."""
     profile = profile or stage_profile(job, hw, stage)
     traffic = offload_grad_bytes(job, stage)
     run_share = share
@@ -259,58 +259,12 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
 
         value = parse_budget_value(budget)
         stage_budget = int(value * keep_all_bytes) if isinstance(value, float) else int(value)
-    fn = get_planner(planner)
-    if share.host_pool_bytes is not None:  # every in-flight micro-batch pins its swaps
-        share = dataclasses.replace(share, host_pool_bytes=share.host_pool_bytes // k)
-
-    def attempt(mb_budget: int) -> StagePlan | None:
-        try:
-            plan = fn(profile, hw, mb_budget, share=share)
-        except BudgetInfeasibleError:
-            return None
-        schedule = with_offload_traffic(lower(profile, plan), profile, traffic)
-        res = simulate(schedule, run_share.limit(hw), budget_bytes=mb_budget, record=False)
-        kept = plan.bytes_by_decision(profile)[Decision.KEEP]
-        return StagePlan(stage, job.stage_layers(stage), k, profile, plan, res, stage_budget, keep_all_bytes, kept)
-
-    if micro_batch_fraction is not None:
-        fixed = attempt(int(micro_batch_fraction * profile.total_bytes))
-        if fixed is None:
-            raise BudgetInfeasibleError(f"stage {stage}: {planner} cannot plan one micro-batch within "
-                                        f"{micro_batch_fraction:.3f} of its keep-all bytes")
-        return dataclasses.replace(fixed, budget_bytes=max(stage_budget, fixed.peak_bytes))
-    # b = budget / k always fits (kept <= peak <= b); then raise b by what the others do not keep.
-    mb_budget = stage_budget // k
-    best = attempt(mb_budget)
-    if best is None and k > 1:
-        # No plan keeps one micro-batch within budget / k, but one that keeps less of each
-        # finished forward (swapping more) may meet the stage's budget with a larger b: bisect.
-        lo, hi = mb_budget, stage_budget
-        for _ in range(6):
-            mid = (lo + hi) // 2
-            trial = attempt(mid)
-            if trial is not None and trial.peak_bytes <= stage_budget:
-                best, lo = trial, mid
-            elif trial is None:
-                lo = mid
-            else:
-                hi = mid
-    if best is None:
-        raise BudgetInfeasibleError(f"stage {stage}: {planner} finds no plan whose {k} in-flight micro-batches "
-                                    f"fit the stage budget of {stage_budget:,} B")
-    for _ in range(4):
-        if k == 1:
-            break
-        bigger = stage_budget - (k - 1) * best.kept_bytes
-        if bigger <= best.plan.budget_bytes:
-            break
-        trial = attempt(bigger)
-        if trial is None or trial.peak_bytes > stage_budget:
-            break
-        if trial.result.step_s >= best.result.step_s:
-            break
-        best = trial
-    return best
+    plan_holds = k if holds is None else holds  # (planners also split the pinned pool among them)
+    plan = get_planner(planner)(profile, hw, stage_budget, share=share, holds=plan_holds)
+    schedule = with_offload_traffic(lower(profile, plan), profile, traffic)
+    res = simulate(schedule, run_share.limit(hw), record=False)
+    kept = plan.bytes_by_decision(profile)[Decision.KEEP]
+    return StagePlan(stage, job.stage_layers(stage), k, profile, plan, res, stage_budget, keep_all_bytes, kept)
 
 
 # ---- the whole step --------------------------------------------------------------------------------
@@ -339,17 +293,15 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
                  share: Share | None = None, ideal_s: float = float("nan"), zero_aware: bool = True,
                  one_plan: bool = False) -> StepResult:
     """Plan every stage (one rank of it) and simulate one step of the job on `node`'s hardware.
-    `one_plan`: every stage plans its micro-batches at the budget fraction the tightest stage (the
-    first: most micro-batches in flight) needs, as one job-wide plan policy would, instead of each
-    stage meeting its own budget."""
+    `one_plan`: every stage plans as if it held as many micro-batches as the tightest stage (the
+    first), as one job-wide plan policy would, instead of for its own count."""
     hw = node.gpu
     share = share if share is not None else Share.of_node(node)
     if job.gpus > node.gpus and node.internode_busbw == float("inf"):
         raise SlackSwapError(f"node {node.name!r} has no internode_busbw: a {job.gpus}-GPU job spans nodes")
-    first = plan_stage(job, hw, 0, budget, planner, share, zero_aware=zero_aware)
-    fraction = first.plan.budget_bytes / first.profile.total_bytes if one_plan else None
-    stages = (first,) + tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware,
-                                         micro_batch_fraction=fraction) for i in range(1, job.pp))
+    holds = job.in_flight(0) if one_plan else None
+    stages = tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware, holds=holds)
+                   for i in range(job.pp))
     # point-to-point: one micro-batch's boundary activation, this rank's part (1/tp with the
     # scatter-gather optimisation, Narayanan et al. 4.1), over this GPU's own network link
     boundary = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes / job.par.tp

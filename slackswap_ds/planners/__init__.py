@@ -1,4 +1,5 @@
-"""Planners. All share one signature: ``plan(profile, hardware, budget_bytes, share=PRIVATE) -> Plan``."""
+"""Planners. All share one signature: ``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Plan``
+(`holds`: micro-batches a pipeline stage holds at once under 1F1B; see planners.common)."""
 
 from __future__ import annotations
 

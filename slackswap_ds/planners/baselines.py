@@ -31,12 +31,13 @@ def _op_name(profile: StepProfile, i: int) -> str:
     return profile.ops[i].key.rsplit(":", 1)[-1]
 
 
-def plan_keep_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+def plan_keep_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
     """Keep every activation (the ideal when memory is unlimited)."""
-    return finalize(profile, keep_all(profile), hw=hw, budget_bytes=budget_bytes, share=share, planner="keep-all")
+    return finalize(profile, keep_all(profile), hw=hw, budget_bytes=budget_bytes, share=share, planner="keep-all",
+                    holds=holds)
 
 
-def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
     """DeepSpeed / torch per-layer checkpointing: keep each layer's input, and in backward re-run the
     layer's whole forward (every op, also those whose outputs no backward reads, such as the last
     matmul and residual add: `Plan.replay`)."""
@@ -47,10 +48,10 @@ def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, s
     checkpointed = {profile.region_of(a) for a in profile.activations if dec[a.key] is Decision.RECOMPUTE}
     replay = tuple(o.key for o in profile.ops if o.region in checkpointed)
     return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="full-recompute",
-                    replay=replay)
+                    replay=replay, holds=holds)
 
 
-def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
     """Megatron selective recompute (Korthikanti et al.): checkpoint the core attention, i.e. drop the
     tensors only the attention core makes (scores, softmax, dropout) and in backward re-run the core,
     the probs x V matmul included (`Plan.replay`)."""
@@ -62,16 +63,19 @@ def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: in
     replay = tuple(o.key for i, o in enumerate(profile.ops)
                    if o.region in checkpointed and _op_name(profile, i) in CORE_ATTENTION_REPLAY)
     return finalize(profile, dec, hw=hw, budget_bytes=budget_bytes, share=share, planner="megatron-selective",
-                    replay=replay)
+                    replay=replay, holds=holds)
 
 
-def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
     """Offload every saved tensor (torch save_on_cpu / torchtune OffloadActivations): forward waits
-    for each copy-out so device memory stays bounded; backward prefetches as late as possible."""
+    for each copy-out so device memory stays bounded; backward prefetches as late as possible. It
+    keeps nothing, so micro-batches in flight (`holds`) add nothing on the device, but each pins
+    its own copies."""
     dec = {a.key: Decision.SWAP for a in profile.activations}
-    if share.host_pool_bytes is not None and profile.total_bytes > share.host_pool_bytes:
+    if share.host_pool_bytes is not None and holds * profile.total_bytes > share.host_pool_bytes:
         raise BudgetInfeasibleError(
-            f"offload-all: {profile.total_bytes:,} B of activations exceed the host pool of {share.host_pool_bytes:,} B"
+            f"offload-all: {holds} x {profile.total_bytes:,} B of activations exceed the host pool of "
+            f"{share.host_pool_bytes:,} B"
         )
     triggers = alap_triggers(profile, dec, hw, share)
     plan = Plan.build(profile, dec, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner="offload-all",
@@ -82,8 +86,8 @@ def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, shar
     return plan
 
 
-def plan_recompute_knapsack(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
+def plan_recompute_knapsack(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
     """torch.compile's activation memory budget: an exact knapsack over recomputation only (no
     offload) minimising recompute time, solved as a MILP over the region memory model."""
-    model = RegionModel(profile, hw, share)
+    model = RegionModel(profile, hw, share, holds)
     return solve_region_milp(model, budget_bytes, allow_swap=False, planner="recompute-knapsack").plan

@@ -8,6 +8,10 @@ being prefetched for the region before it:
 
     M(r) = kept(<r) + bytes(r) + swapped(r-1)        peak ~= max_r M(r)
 
+A pipeline stage under 1F1B runs `holds` micro-batches at once: while one is in backward, the others
+have finished their forward and hold their kept bytes, so its peak is (holds - 1) * kept + max_r M(r).
+Then dropping any tensor helps, the last region's too.
+
 Dropping (swapping or recomputing) an activation of region r' lowers M(r) for every r > r', and
 leaves M(r') unchanged; that is why dropping in the last region to run forward never helps.
 Swaps must also fit their copy windows: a region's D2H copies under that region's own forward,
@@ -147,8 +151,10 @@ def resolve_budget(budget: float | int | str, profile: StepProfile) -> int:
 class RegionModel:
     """Per-region bytes and times of a profile, for fast planning (see the module docstring)."""
 
-    def __init__(self, profile: StepProfile, hw: Hardware, share: Share = PRIVATE):
-        self.profile, self.hw, self.share = profile, hw, share
+    def __init__(self, profile: StepProfile, hw: Hardware, share: Share = PRIVATE, holds: int = 1):
+        if isinstance(holds, bool) or not isinstance(holds, int) or holds < 1:
+            raise ValueError(f"holds must be a positive number of micro-batches, got {holds!r}")
+        self.profile, self.hw, self.share, self.holds = profile, hw, share, holds
         self.regions = list(profile.regions)
         self.index = {r: i for i, r in enumerate(self.regions)}
         n = len(self.regions)
@@ -236,13 +242,13 @@ def model_peak(model: RegionModel, decisions: dict[str, Decision]) -> int:
             kept[model.region_of[a.key]] += a.bytes
         elif d is Decision.SWAP:
             swapped[model.region_of[a.key]] += a.bytes
-    return _peak(np.array(model.bytes, dtype=np.int64), kept, swapped)
+    return _peak(np.array(model.bytes, dtype=np.int64), kept, swapped, model.holds)
 
 
-def _peak(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray) -> int:
+def _peak(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray, holds: int = 1) -> int:
     m = total.copy()
     m[1:] += np.cumsum(kept)[:-1] + swapped[:-1]
-    return int(m.max()) if len(m) else 0
+    return (int(m.max()) if len(m) else 0) + (holds - 1) * int(kept.sum())
 
 
 def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> dict[str, Decision]:
@@ -266,14 +272,14 @@ def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> 
             swapped[r] += a.bytes
         else:
             rerun[r].update(a.producers)
-    if _peak(total, kept, swapped) > target:
+    if _peak(total, kept, swapped, model.holds) > target:
         return dec  # nothing to give back (the caller's decisions do not meet the target)
     rec = [a for a in p.activations if dec[a.key] is Decision.RECOMPUTE and a.bytes > 0]
     rec.sort(key=lambda a: (-sum(p.ops[o].fwd_s for o in a.producers), a.key))
     for a in rec:
         r = model.region_of[a.key]
         kept[r] += a.bytes
-        if _peak(total, kept, swapped) <= target:
+        if _peak(total, kept, swapped, model.holds) <= target:
             dec[a.key] = Decision.KEEP
         else:
             kept[r] -= a.bytes
@@ -283,7 +289,7 @@ def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> 
         r = model.region_of[a.key]
         kept[r] += a.bytes
         swapped[r] -= a.bytes
-        if _peak(total, kept, swapped) <= target:
+        if _peak(total, kept, swapped, model.holds) <= target:
             dec[a.key] = Decision.KEEP
         else:
             kept[r] -= a.bytes
@@ -295,7 +301,7 @@ MAX_REPAIRS = 8
 
 
 def repair(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, planner: str,
-           decide: Callable[[int], dict[str, Decision]], version: str = "1") -> Plan:
+           decide: Callable[[int], dict[str, Decision]], version: str = "1", holds: int = 1) -> Plan:
     """The repair loop every model-based planner runs: `decide(target)` gives decisions whose region
     model peak meets `target` (or raises BudgetInfeasibleError); the simulator has the last word.
     When it finds the best-triggered plan over budget (copy latency, transients the model does not
@@ -303,7 +309,7 @@ def repair(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, 
     target = budget_bytes
     for _ in range(MAX_REPAIRS):
         plan, overshoot = best_triggers(profile, decide(target), hw=hw, budget_bytes=budget_bytes, share=share,
-                                        planner=planner, version=version)
+                                        planner=planner, version=version, holds=holds)
         if plan is not None:
             return plan
         target -= overshoot
@@ -315,11 +321,13 @@ LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when prefe
 
 def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
                   share: Share, planner: str, version: str = "1",
-                  replay: tuple[str, ...] = ()) -> tuple[Plan | None, int]:
+                  replay: tuple[str, ...] = (), holds: int = 1) -> tuple[Plan | None, int]:
     """The fastest feasible plan over the prefetch margins in LEADS (stopping at the first that
-    does not stall compute), or (None, overshoot in bytes of the latest margin tried)."""
+    does not stall compute), or (None, overshoot in bytes of the latest margin tried). With
+    `holds` > 1 the other micro-batches' kept bytes count against the budget too."""
     best: tuple[float, Plan] | None = None
     overshoot = 0
+    held = (holds - 1) * sum(a.bytes for a in profile.activations if decisions[a.key] is Decision.KEEP)
     rank_hw = share.limit(hw)
     draft = None
     if any(d is Decision.SWAP for d in decisions.values()):
@@ -329,9 +337,9 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
         plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
                           planner_version=version, prefetch=triggers, replay=replay)
         schedule = retrigger(draft, profile, plan) if draft is not None else lower(profile, plan)
-        res = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes, record=False)
+        res = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes - held, record=False)
         if not res.feasible:
-            overshoot = overshoot or res.peak_bytes - budget_bytes
+            overshoot = overshoot or res.peak_bytes + held - budget_bytes
             continue
         if best is None or res.step_s < best[0]:
             best = (res.step_s, plan)
@@ -341,11 +349,12 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
 
 
 def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
-             share: Share, planner: str, version: str = "1", replay: tuple[str, ...] = ()) -> Plan:
+             share: Share, planner: str, version: str = "1", replay: tuple[str, ...] = (),
+             holds: int = 1) -> Plan:
     """The best-triggered plan for fixed decisions; BudgetInfeasibleError if the simulator finds it
     over budget."""
     plan, overshoot = best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share,
-                                    planner=planner, version=version, replay=replay)
+                                    planner=planner, version=version, replay=replay, holds=holds)
     if plan is None:
         raise BudgetInfeasibleError(
             f"{planner}: its plan peaks at {budget_bytes + overshoot:,} B, over the budget of {budget_bytes:,} B"

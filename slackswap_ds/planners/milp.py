@@ -3,7 +3,8 @@
 Variables, all binary: s[a] (swap a), r[a] (recompute a), u[o] (producer op o re-runs).
     minimise   sum_o u[o] * fwd_s(o)                                  (recompute time)
     s[a] + r[a] <= 1;  u[o] >= r[a] for o in producers(a)
-    M(r) = kept(<r) + bytes(r) + swapped(r-1) <= budget              for every region r
+    M(r) = kept(<r) + bytes(r) + swapped(r-1)
+           + (holds-1) * kept(all) <= budget                           for every region r
     sum_{a saved at op >= k} s[a] * copy_d2h(a) <= fwd_s(ops > k)   for every op k (the D2H queue
                                                                       drains before forward ends)
     sum_{a in r} s[a] * copy_h2d(a) <= bwd_s(r+1) + recompute(r+1)   (H2D hidden under the next
@@ -75,7 +76,7 @@ def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool
         solves.append(solve)
         return release(model, dec, target)
 
-    plan = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide)
+    plan = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, holds=model.holds)
     return MilpResult(plan, tuple(solves))
 
 
@@ -140,6 +141,16 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
     # Sparse form (dense prefix sums make HiGHS slow): continuous D[r] = bytes dropped in regions < r.
     #   D[r] = D[r-1] + dropped(r-1);  kept0(<r) - D[r] + bytes(r) + swapped(r-1) <= budget
     D = [var("D", r) for r in range(nreg)]
+    # Micro-batches in flight (holds > 1) keep their kept bytes: (holds-1) * (total - all dropped),
+    # with all dropped = D[nreg-1] + dropped in the last region.
+    held = model.holds - 1
+    if held:
+        everything = var("D", nreg)
+        row_ = {everything: 1.0, D[nreg - 1]: -1.0}
+        for j, v in terms(nreg - 1, ("s", "r"), lambda a: -a.bytes).items():
+            row_[j] = v
+        add(row_, 0, 0)
+    total = sum(model.bytes)
     below = 0
     for r in range(nreg):
         if r:
@@ -151,7 +162,9 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
         else:
             add({D[0]: 1.0}, 0, 0)
             mem = {D[0]: -1.0}
-        add(mem, -np.inf, budget - below - model.bytes[r])
+        if held:
+            mem[everything] = mem.get(everything, 0.0) - held
+        add(mem, -np.inf, budget - below - model.bytes[r] - held * total)
         below += model.bytes[r]
 
     if allow_swap:
@@ -181,7 +194,7 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
         if model.share.host_pool_bytes is not None:
             pool = {col["s", a.key]: a.bytes for a in acts if ("s", a.key) in col}
             if pool:
-                add(pool, -np.inf, model.share.host_pool_bytes)
+                add(pool, -np.inf, model.share.host_pool_bytes // model.holds)  # each micro-batch in flight pins its own
 
     n = len(col)
     cost = np.concatenate([cost, np.zeros(n - n_binary)])

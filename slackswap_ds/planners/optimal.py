@@ -11,11 +11,12 @@ from .milp import MilpOptions, MilpResult, solve_region_milp
 
 
 def solve_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
-                  options: MilpOptions = MilpOptions()) -> MilpResult:
+                  options: MilpOptions = MilpOptions(), holds: int = 1) -> MilpResult:
     """The optimal plan with its solves (incumbent, proven bound, gap)."""
-    return solve_region_milp(RegionModel(profile, hw, share), budget_bytes, allow_swap=True, planner="optimal",
-                             options=options)
+    return solve_region_milp(RegionModel(profile, hw, share, holds), budget_bytes, allow_swap=True,
+                             planner="optimal", options=options)
 
 
-def plan_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
-    return solve_optimal(profile, hw, budget_bytes, share).plan
+def plan_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                 holds: int = 1) -> Plan:
+    return solve_optimal(profile, hw, budget_bytes, share, holds=holds).plan

@@ -34,8 +34,9 @@ from .common import PRIVATE, RegionModel, Share, keep_all, release, repair
 NAME, VERSION = "slackswap", "2"
 
 
-def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE) -> Plan:
-    model = RegionModel(profile, hw, share)
+def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                   holds: int = 1) -> Plan:
+    model = RegionModel(profile, hw, share, holds)
     state = _State(model)
 
     def decide(target: int) -> dict[str, Decision]:
@@ -43,7 +44,7 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
         state.recompute_until(target)
         return release(model, state.dec, target)
 
-    return repair(profile, hw, budget_bytes, share, NAME, decide, version=VERSION)
+    return repair(profile, hw, budget_bytes, share, NAME, decide, version=VERSION, holds=holds)
 
 
 class _State:
@@ -64,7 +65,8 @@ class _State:
         self.d2h_slack = np.cumsum(fwd[::-1])[::-1].copy()
         # H2D of region r runs under region r+1's backward; the last region has no window.
         self.h2d_left = [model.bwd_s[r + 1] if r + 1 < n else 0.0 for r in range(n)]
-        self.pool_left = model.share.host_pool_bytes
+        pool = model.share.host_pool_bytes  # every micro-batch in flight pins its own swaps
+        self.pool_left = None if pool is None else pool // model.holds
         self.rerun: list[set[int]] = [set() for _ in range(n)]
         self.swap_tried = False
 
@@ -73,7 +75,7 @@ class _State:
         m = self.bytes_np.copy()
         m[1:] += np.cumsum(self.kept)[:-1] + self.swapped[:-1]
         where = int(np.argmax(m))
-        return int(m[where]), where
+        return int(m[where]) + (self.m.holds - 1) * int(self.kept.sum()), where
 
     def _rec_cost(self, a) -> float:
         r = self.m.region_of[a.key]
@@ -110,8 +112,9 @@ class _State:
     def recompute_until(self, target: int) -> None:
         """Recompute the cheapest tensors per byte until the model peak M(r*) meets `target`.
 
-        A kept tensor of region r lowers M(r*) when r < r*; a swapped one only lowers the
-        prefetch term of M(r+1), so it is a candidate when r* = r + 1."""
+        A kept tensor of region r lowers M(r*) when r < r*, and with micro-batches in flight
+        (holds > 1) wherever it is; a swapped one only lowers the prefetch term of M(r+1), so it
+        is a candidate when r* = r + 1."""
         m = self.m
         candidates = (Decision.KEEP, Decision.SWAP)
         heap = [(self._rec_cost(a) / a.bytes, m.region_of[a.key], a.key) for a in m.profile.activations
@@ -128,8 +131,11 @@ class _State:
                 d = self.dec[key]
                 if d not in candidates:
                     continue
-                if (d is Decision.KEEP and r >= where) or (d is Decision.SWAP and r != where - 1):
-                    deferred.append((cost, r, key))  # would not lower M(where)
+                # a kept tensor lowers M(where) if its region ran before; with micro-batches in
+                # flight it lowers what they hold wherever it is
+                useless_keep = d is Decision.KEEP and r >= where and self.m.holds == 1
+                if useless_keep or (d is Decision.SWAP and r != where - 1):
+                    deferred.append((cost, r, key))  # would not lower the peak
                     continue
                 now = self._rec_cost(a) / a.bytes
                 if abs(now - cost) > 1e-18:  # stale: region-mates made it cheaper since
