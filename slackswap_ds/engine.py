@@ -599,9 +599,10 @@ class SlackSwapRuntime:
             self._said_offload_param = True
             log.warning("slackswap: ZeRO-Infinity parameter offload (offload_param) moves every layer's parameters "
                         "over the host link in forward and backward; plans do not account for that traffic yet, so "
-                        "prefetches may stall (not the gradients: those stay exact)")
+                        "prefetches may stall (slower steps; the gradients are unaffected)")
         shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node, pinned or 0)
         if pinned is not None:  # every replica runs the same ZeRO config: the same link penalty for all
+            # (0 pinned here: each node's pool was netted of its ranks' optimizer state above)
             shares = [s.beside_zero_offload(self.hw, 0) for s in shares]
             log.info("slackswap: ZeRO-Offload copies gradients to the host during backward and pins %.2f GB of "
                      "optimizer state per rank: plans prefetch at the duplex rate (%.1f GB/s) and share only "
