@@ -113,8 +113,30 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = out[0]
     if cfg.enabled:
         _setup_logging(cfg.log_level)
-        SlackSwapRuntime(engine, cfg).attach()
+        if _is_pipeline_engine(engine):
+            if _job_rank() == 0:  # one line per job: every rank is in the same situation
+                _warn_pipeline()
+        else:
+            SlackSwapRuntime(engine, cfg).attach()
     return out
+
+
+def _warn_pipeline() -> None:
+    # PipelineEngine runs its own schedule of forwards and backwards (never engine.forward /
+    # engine.backward, which SlackSwap hooks), several micro-batches in flight per stage: not
+    # supported yet. Say so rather than look active and do nothing.
+    log.warning("slackswap: pipeline parallelism (deepspeed.pipe.PipelineModule) is not supported yet: "
+                "SlackSwap stays off for this job and activations are handled as without it (the "
+                "pipeline's own activation_checkpoint_interval still applies). Per-stage plans are "
+                "simulated by `slackswap simulate --pp`.")
+
+
+def _is_pipeline_engine(engine) -> bool:
+    try:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except ImportError:  # pragma: no cover - a DeepSpeed without pipeline support
+        return False
+    return isinstance(engine, PipelineEngine)
 
 
 setattr(initialize, MARK, True)  # recognised as SlackSwap's wherever it is bound
