@@ -13,6 +13,9 @@ Sources of the measurements (full configurations in each row's `config`):
   (8 GPUs) and 175B (64 GPUs, PP 8) models with full recompute, and with SP + selective recompute.
 * mosaicml/llm-foundry scripts/train/benchmarking/README.md (commit 061f2c7c), A100 80GB table:
   tokens/s per GPU of MPT models on 8 GPUs without activation checkpointing (FSDP FULL_SHARD).
+
+benchmarks/fidelity_sources.md holds these and more published measurements (Narayanan et al.'s
+weak-scaling table, H100 rows, NCCL and GEMM benchmarks) with their configurations and sources.
 """
 
 from __future__ import annotations
