@@ -1,5 +1,5 @@
 """The plans users would otherwise run, on the same signature as ours:
-``plan(profile, hardware, budget_bytes, share=PRIVATE) -> Plan``.
+``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Plan``.
 
 Each refuses (BudgetInfeasibleError) rather than emit a plan the simulator finds over budget.
 """
