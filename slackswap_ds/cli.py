@@ -31,7 +31,7 @@ from typing import Iterator, Sequence
 from .errors import BudgetInfeasibleError, SlackSwapError, UnknownNameError
 from .hardware import Hardware, Node, load_hardware, load_node, preset_names
 from .plan import Decision, Plan, lower
-from .planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, resolve_budget
+from .planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, refusal, resolve_budget
 from .profile import StepProfile
 from .simulator import SimResult, simulate, simulate_node
 from .workloads import PRESETS, ModelSpec, Parallel, transformer_profile, workload_names
@@ -264,10 +264,7 @@ def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: in
         with native_stdout_to_stderr():
             plan = fn(profile, target.hw, budget_bytes, share=target.share)
     except BudgetInfeasibleError as e:
-        msg = str(e)
-        if msg.startswith(f"{planner}: "):
-            msg = msg[len(planner) + 2:]
-        return {"feasible": False, "status": "infeasible", "error": msg}, None, None
+        return {"feasible": False, "status": "infeasible", "error": refusal(planner, e)}, None, None
     except Exception as e:  # a planner bug: report it in the row and on stderr, keep sweeping
         _internal_error(f"planner {planner!r}", e)
         return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, None, None

@@ -654,8 +654,9 @@ _FALLBACK_PLANNERS = ("offload-all", "full-recompute")
 
 
 def _reason(planner: str, error: Exception) -> str:
-    text = str(error)
-    return text if text.startswith(f"{planner}: ") else f"{planner}: {text}"
+    from .planners import refusal
+
+    return f"{planner}: {refusal(planner, error)}"
 
 
 _LINGER_S = 1.0  # how long a rank that gives up stays, so that the others can say why before it exits

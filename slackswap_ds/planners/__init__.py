@@ -14,7 +14,7 @@ from .baselines import (
     plan_offload_all,
     plan_recompute_knapsack,
 )
-from .common import PRIVATE, Share, keep_all_result, resolve_budget
+from .common import PRIVATE, Share, keep_all_result, refusal, resolve_budget
 from .optimal import plan_optimal
 from .slackswap import plan_slackswap
 
@@ -38,4 +38,4 @@ def get_planner(name: str) -> PlannerFn:
         raise UnknownNameError("planner", name, list(PLANNERS)) from None
 
 
-__all__ = ["PLANNERS", "PRIVATE", "Share", "get_planner", "keep_all_result", "resolve_budget"]
+__all__ = ["PLANNERS", "PRIVATE", "Share", "get_planner", "keep_all_result", "refusal", "resolve_budget"]

@@ -134,6 +134,13 @@ def keep_all_result(profile: StepProfile, hw: Hardware) -> SimResult:
     return SimResult(**{**res.__dict__, "ideal_s": res.step_s})
 
 
+def refusal(planner: str, error: Exception) -> str:
+    """Why `planner` refused, without its name in front (planners start their messages with it;
+    callers put it where their own format wants it)."""
+    text = str(error)
+    return text[len(planner) + 2:] if text.startswith(f"{planner}: ") else text
+
+
 def resolve_budget(budget: float | int | str, profile: StepProfile) -> int:
     """The budget in bytes for `profile`, read by the one budget parser (`config.parse_budget_value`,
     as the config and the command line read it): a number in (0, 1] or a percentage is that

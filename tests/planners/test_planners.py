@@ -224,3 +224,11 @@ def test_the_milp_returns_its_solves_in_the_result():
     assert last.model_budget_bytes <= budget and 0 <= last.bound_s <= last.objective_s + 1e-12
     assert last.gap == pytest.approx(0.0, abs=1e-6)  # a zero-gap solve is proven optimal
     assert _recompute_s(p, res.plan) <= last.objective_s + 1e-12  # giving drops back never costs time
+
+
+def test_a_refusal_is_named_once_whoever_reports_it():
+    from slackswap_ds.planners import refusal
+
+    assert refusal("slackswap", BudgetInfeasibleError("slackswap: no plan")) == "no plan"
+    assert refusal("optimal", BudgetInfeasibleError("HiGHS said no")) == "HiGHS said no"
+    assert refusal("slackswap", BudgetInfeasibleError("slackswapper: x")) == "slackswapper: x"
