@@ -32,7 +32,8 @@ def two_region_profile() -> StepProfile:
 
 
 # ---- a real single-rank process group (gloo on 127.0.0.1) for in-process DeepSpeed tests -----
-def _free_loopback_port() -> int:
+def free_loopback_port() -> int:
+    """A free TCP port on 127.0.0.1 (for launchers and process groups in tests: loopback only)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -51,7 +52,7 @@ def single_process_group():
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
         yield
         return
-    port = _free_loopback_port()
+    port = free_loopback_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     saved_env = {k: os.environ.get(k) for k in env}
     saved_cdb = dcomm.cdb

@@ -4,7 +4,6 @@ same protocol in tests/test_dist.py."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,20 +14,15 @@ import pytest
 from slackswap_ds.agreement import Solo, agree, exchange
 from slackswap_ds.hardware import load_node
 from slackswap_ds.workloads import workload
+from conftest import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "torch_dist" / "worker.py"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, timeout_s: float = 60, n: int = 4) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        port = free_port()
+        port = free_loopback_port()
         procs = []
         for rank in range(n):
             env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",

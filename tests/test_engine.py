@@ -419,6 +419,8 @@ def test_zero_offload_makes_plans_leave_its_link_time_and_pinned_memory(single_p
 
 
 def test_a_pipeline_engine_is_left_alone_and_says_so(tmp_path):
+    from conftest import free_loopback_port
+
     # DeepSpeed's PipelineEngine never calls engine.forward/backward (SlackSwap's hooks): until
     # per-stage plans run (issue 12), SlackSwap must say it is off, once per job, and change nothing.
     def run(enabled: bool) -> tuple[list[float], str]:
@@ -430,7 +432,7 @@ def test_a_pipeline_engine_is_left_alone_and_says_so(tmp_path):
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
                "PYTHONPATH": str(ROOT)}
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(29700 + os.getpid() % 200 + enabled), str(ROOT / "tests" / "pipe" / "worker.py"),
+               "--master_port", str(free_loopback_port()), str(ROOT / "tests" / "pipe" / "worker.py"),
                "--config", str(cfg), "--losses", str(losses)]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         out = proc.stdout + proc.stderr

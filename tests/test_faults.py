@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from conftest import free_loopback_port
 
 pytest.importorskip("deepspeed")
 
@@ -27,14 +28,6 @@ WORKER = ROOT / "tests" / "faults" / "worker.py"
 TIMEOUT_S = 6.0  # the jobs' sync_timeout_s
 MARGIN_S = 5.0  # what a rank may take past it
 MPIEXEC = shutil.which("mpiexec")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env(**extra: str) -> dict:
@@ -79,7 +72,7 @@ def _read(stream, sink) -> None:
 def run_torch(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
     """n processes on one store, as torchrun starts them; ranks still alive once the others have
     exited (a stopped one) are killed."""
-    port, ranks, procs, readers = free_port(), [Rank() for _ in range(n)], [], []
+    port, ranks, procs, readers = free_loopback_port(), [Rank() for _ in range(n)], [], []
     began = time.monotonic()
     for r in range(n):
         p = subprocess.Popen([sys.executable, str(WORKER), scenario, str(TIMEOUT_S)], cwd=ROOT, text=True,
@@ -122,7 +115,7 @@ def run_mpi(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
 
     began = time.monotonic()
     p = subprocess.Popen([MPIEXEC, "-iface", "lo", "-n", str(n), sys.executable, str(WORKER), scenario,
-                          str(TIMEOUT_S)], cwd=ROOT, env=env(MASTER_PORT=str(free_port())), text=True,
+                          str(TIMEOUT_S)], cwd=ROOT, env=env(MASTER_PORT=str(free_loopback_port())), text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     reader = threading.Thread(target=_read, args=(p.stdout, sink))
     reader.start()

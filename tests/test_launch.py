@@ -6,24 +6,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_loopback_port
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 BASH = shutil.which("bash")
 
 pytestmark = pytest.mark.skipif(BASH is None, reason="bash is not installed")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_env(**extra: str) -> dict:
@@ -68,7 +62,7 @@ def reference_losses(tmp_path_factory) -> list[float]:
         pytest.skip("no mpiexec / mpirun (MPICH or Open MPI) on PATH")
     ref_file = tmp_path_factory.mktemp("reference") / "deepspeed.json"
     ref, _ = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-                  "--master_port", str(free_port()), "launch/train.py", *TRAIN_ARGS, "--losses", str(ref_file)],
+                  "--master_port", str(free_loopback_port()), "launch/train.py", *TRAIN_ARGS, "--losses", str(ref_file)],
                  cpu_env(), ref_file)
     assert len(ref) == 4
     return ref
@@ -78,7 +72,7 @@ def test_mpirun_wrapper_matches_the_deepspeed_launcher(tmp_path, reference_losse
     flavor = mpi_flavor()
     ref = reference_losses
     mpi_file = tmp_path / "mpirun.json"
-    losses, out = run([BASH, str(LAUNCH / "mpirun.sh"), "-n", "2", "--port", str(free_port()), "launch/train.py",
+    losses, out = run([BASH, str(LAUNCH / "mpirun.sh"), "-n", "2", "--port", str(free_loopback_port()), "launch/train.py",
                        *TRAIN_ARGS, "--losses", str(mpi_file)],
                       cpu_env(SLACKSWAP_LOOPBACK="1", SLACKSWAP_LAUNCH_VERBOSE="1", PYTHON=sys.executable),
                       mpi_file)
@@ -104,7 +98,7 @@ def test_deepspeed_mpich_launcher_on_loopback(tmp_path, reference_losses):
     losses, out = run([sys.executable, "-m", "deepspeed.launcher.runner", "--launcher", "mpich",
                        "--launcher_args=-iface lo", "--no_ssh_check", "--force_multi",
                        "--hostfile", "launch/hostfile.localhost", "--master_addr", "127.0.0.1",
-                       "--master_port", str(free_port()), "launch/train.py", *TRAIN_ARGS, "--losses", str(losses_file)],
+                       "--master_port", str(free_loopback_port()), "launch/train.py", *TRAIN_ARGS, "--losses", str(losses_file)],
                       cpu_env(UCX_NET_DEVICES="lo"), losses_file)
     cmd = next(line for line in out.splitlines() if "cmd = mpirun" in line)
     assert "-n 2 -ppn 2 -iface lo" in cmd and "-genv MASTER_ADDR 127.0.0.1" in cmd
