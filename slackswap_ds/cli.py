@@ -28,13 +28,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
-from .errors import BudgetInfeasibleError, SlackSwapError, UnknownNameError
+from .errors import BudgetInfeasibleError, SlackSwapError
 from .hardware import Hardware, Node, load_hardware, load_node, preset_names
 from .plan import Decision, Plan, lower
 from .planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, refusal, resolve_budget
 from .profile import StepProfile
 from .simulator import SimResult, simulate, simulate_node
-from .workloads import PRESETS, ModelSpec, Parallel, transformer_profile, workload_names
+from .workloads import PRESETS, ModelSpec, Parallel, preset_spec, transformer_profile, workload_names
 
 DEFAULT_WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
 DEFAULT_HARDWARE = "a100-80g-pcie4"
@@ -220,14 +220,8 @@ def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workloa
         names = workload_names()
     out = []
     for n in names:
-        if n not in PRESETS:
-            raise UnknownNameError("workload", n, workload_names())
-        spec = PRESETS[n]
-        changed = {k: v for k, v in overrides.items() if getattr(spec, k) != v}
-        if changed:
-            spec = dataclasses.replace(spec, name=f"{n}[" + ",".join(f"{k}={changed[k]}" for k in sorted(changed)) + "]",
-                                       **changed)
-        out.append(Workload(n, spec, True, bool(changed)))
+        spec = preset_spec(n, **overrides)
+        out.append(Workload(n, spec, True, spec != PRESETS[n]))
     for path in models:
         from .model_config import spec_from_hf_config
 

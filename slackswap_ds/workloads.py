@@ -232,9 +232,9 @@ def workload_names() -> list[str]:
     return sorted(PRESETS)
 
 
-def workload(name: str, hardware: Hardware | str, parallel: Parallel | None = None, **overrides) -> StepProfile:
-    """The analytic profile of preset `name` on `hardware` (one rank of a `parallel` cut, if given);
-    `overrides` replace ModelSpec fields."""
+def preset_spec(name: str, **overrides) -> ModelSpec:
+    """Preset `name` with `overrides` replacing ModelSpec fields; a changed preset is named after
+    what changed (``gpt2-xl[layers=6,seq=128]``) unless `overrides` names it."""
     if name not in PRESETS:
         raise UnknownNameError("workload", name, workload_names())
     valid = [f.name for f in dataclasses.fields(ModelSpec)]
@@ -245,7 +245,13 @@ def workload(name: str, hardware: Hardware | str, parallel: Parallel | None = No
     changed = {k: v for k, v in overrides.items() if k != "name" and getattr(spec, k) != v}
     if changed and "name" not in overrides:
         overrides = {**overrides, "name": f"{name}[" + ",".join(f"{k}={changed[k]}" for k in sorted(changed)) + "]"}
-    spec = dataclasses.replace(spec, **overrides)
+    return dataclasses.replace(spec, **overrides)
+
+
+def workload(name: str, hardware: Hardware | str, parallel: Parallel | None = None, **overrides) -> StepProfile:
+    """The analytic profile of preset `name` on `hardware` (one rank of a `parallel` cut, if given);
+    `overrides` replace ModelSpec fields (`preset_spec`)."""
+    spec = preset_spec(name, **overrides)
     hw = load_hardware(hardware) if isinstance(hardware, str) else hardware
     return transformer_profile(spec, hw, parallel or Parallel())
 
