@@ -35,12 +35,15 @@ Every rate comes from the hardware presets; the step is deterministic.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 
 from .errors import ProfileError, SlackSwapError
 from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule, lower
 from .planners import PRIVATE, Share, get_planner
+from .planners.common import budget_bytes
 from .profile import StepProfile
 from .simulator import SimResult, simulate
 from .workloads import ModelSpec, Parallel, region_params, transformer_profile
@@ -96,7 +99,16 @@ class Job:
 
     def stage_params(self, stage: int) -> int:
         """Weight elements one rank of the stage owns."""
-        return sum(region_params(self.spec, self.par, **self.stage_parts(stage)).values())
+        return sum(self.region_params(stage).values())
+
+    def region_params(self, stage: int) -> dict[str, int]:
+        """Weight elements per region of one rank of the stage (built once per job and stage; read only)."""
+        return _region_params(self.spec, self.par, self.stage_layers(stage), stage == 0, stage == self.pp - 1)
+
+
+@functools.lru_cache(maxsize=256)
+def _region_params(spec: ModelSpec, par: Parallel, layers: range, embed: bool, head: bool) -> dict[str, int]:
+    return region_params(spec, par, layers=layers, embed=embed, head=head)
 
 
 def stage_profile(job: Job, hw, stage: int) -> StepProfile:
@@ -181,8 +193,7 @@ def offload_grad_bytes(job: Job, stage: int) -> dict[str, int]:
     the region's gradients, 16-bit. {} without optimizer offload."""
     if not job.offload_optimizer:
         return {}
-    params = region_params(job.spec, job.par, **job.stage_parts(stage))
-    return {r: n * GRAD_BYTES // job.dp for r, n in params.items() if n}
+    return {r: n * GRAD_BYTES // job.dp for r, n in job.region_params(stage).items() if n}
 
 
 def with_offload_traffic(schedule: Schedule, profile: StepProfile, grad_bytes: dict[str, int]) -> Schedule:
@@ -252,13 +263,7 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
         share = offload_aware(share, hw, job, stage)
     k = job.in_flight(stage)
     keep_all_bytes = k * profile.total_bytes
-    if budget == float("inf"):  # no limit: the keep-all peak
-        stage_budget = keep_all_bytes
-    else:  # the one budget parser's rules (a fraction in (0, 1], else whole bytes)
-        from .config import parse_budget_value
-
-        value = parse_budget_value(budget)
-        stage_budget = int(value * keep_all_bytes) if isinstance(value, float) else int(value)
+    stage_budget = keep_all_bytes if budget == float("inf") else budget_bytes(budget, keep_all_bytes)
     plan_holds = k if holds is None else holds  # (planners also split the pinned pool among them)
     plan = get_planner(planner)(profile, hw, stage_budget, share=share, holds=plan_holds)
     schedule = with_offload_traffic(lower(profile, plan), profile, traffic)
@@ -333,7 +338,7 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
     as the last micro-batch's backward of its region is done when `overlap_grad_comm`, else all
     after the stage's last backward."""
     last = max((e for e in events if e.stage == st.stage and e.kind == "B"), key=lambda e: e.end)
-    params = region_params(job.spec, job.par, **job.stage_parts(st.stage))
+    params = job.region_params(st.stage)
     bwd = {}
     for o in st.profile.ops:
         bwd[o.region] = bwd.get(o.region, 0.0) + o.bwd_s
@@ -343,14 +348,17 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
     for r in order:
         done += bwd[r] * scale  # the region's backward ends (recompute and stalls spread evenly)
         nbytes = params.get(r, 0) * GRAD_BYTES
-        if not nbytes:
-            continue
-        if one_node and hw.allreduce_busbw is not None:
-            comm = hw.collective_s("all_reduce", nbytes, job.dp)
-        else:
-            comm = nbytes * 2 * (job.dp - 1) / job.dp / node.internode_busbw
-        t = max(t, done if job.overlap_grad_comm else last.end) + comm
+        if nbytes:
+            t = max(t, done if job.overlap_grad_comm else last.end) + _all_reduce_s(hw, node, nbytes, job.dp, one_node)
     return max(last.end, t)
+
+
+def _all_reduce_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool) -> float:
+    """An all-reduce over NVLink (the board's measured curve) when the job fits on one node, else
+    over each GPU's own network link (nccl-tests' 2(n-1)/n of the buffer at its bus bandwidth)."""
+    if one_node and hw.allreduce_busbw is not None:
+        return hw.collective_s("all_reduce", nbytes, ranks)
+    return nbytes * 2 * (ranks - 1) / ranks / node.internode_busbw
 
 
 def ideal_step_s(job: Job, node: Node, share: Share | None = None) -> float:

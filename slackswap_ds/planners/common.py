@@ -142,9 +142,14 @@ def refusal(planner: str, error: Exception) -> str:
 
 
 def resolve_budget(budget: float | int | str, profile: StepProfile) -> int:
-    """The budget in bytes for `profile`, read by the one budget parser (`config.parse_budget_value`,
-    as the config and the command line read it): a number in (0, 1] or a percentage is that
-    fraction of the keep-all peak; a larger whole number or a size ("12GiB") is bytes."""
+    """The budget in bytes for `profile` (`budget_bytes` of its keep-all peak)."""
+    return budget_bytes(budget, profile.total_bytes)
+
+
+def budget_bytes(budget: float | int | str, keep_all_bytes: int) -> int:
+    """The budget in bytes, read by the one budget parser (`config.parse_budget_value`, as the
+    config and the command line read it): a number in (0, 1] or a percentage is that fraction of
+    `keep_all_bytes`; a larger whole number or a size ("12GiB") is bytes."""
     from ..config import parse_budget_value
 
     try:
@@ -152,7 +157,7 @@ def resolve_budget(budget: float | int | str, profile: StepProfile) -> int:
     except ValueError as e:
         raise ValueError(f"budget must be a fraction in (0, 1] or a positive number of bytes, got {budget!r}: {e}") \
             from None
-    return int(value * profile.total_bytes) if isinstance(value, float) else int(value)
+    return int(value * keep_all_bytes) if isinstance(value, float) else int(value)
 
 
 class RegionModel:
