@@ -246,6 +246,12 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
 
 def model_peak(model: RegionModel, decisions: dict[str, Decision]) -> int:
     """The region model's peak max_r M(r) of `decisions` (see the module docstring)."""
+    kept, swapped = _bytes_by_region(model, decisions)
+    return _peak(np.array(model.bytes, dtype=np.int64), kept, swapped, model.holds)
+
+
+def _bytes_by_region(model: RegionModel, decisions: dict[str, Decision]) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, swapped) bytes per region."""
     n = len(model.regions)
     kept, swapped = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
     for a in model.profile.activations:
@@ -254,12 +260,18 @@ def model_peak(model: RegionModel, decisions: dict[str, Decision]) -> int:
             kept[model.region_of[a.key]] += a.bytes
         elif d is Decision.SWAP:
             swapped[model.region_of[a.key]] += a.bytes
-    return _peak(np.array(model.bytes, dtype=np.int64), kept, swapped, model.holds)
+    return kept, swapped
+
+
+def region_peaks(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray) -> np.ndarray:
+    """M(r) = kept(<r) + bytes(r) + swapped(r-1) for every region r (one micro-batch)."""
+    m = total.copy()
+    m[1:] += np.cumsum(kept)[:-1] + swapped[:-1]
+    return m
 
 
 def _peak(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray, holds: int = 1) -> int:
-    m = total.copy()
-    m[1:] += np.cumsum(kept)[:-1] + swapped[:-1]
+    m = region_peaks(total, kept, swapped)
     return (int(m.max()) if len(m) else 0) + (holds - 1) * int(kept.sum())
 
 
@@ -272,18 +284,8 @@ def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> 
     the model peak stays within `target`."""
     p = model.profile
     dec = dict(decisions)
-    n = len(model.regions)
     total = np.array(model.bytes, dtype=np.int64)
-    kept, swapped = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    rerun: list[set[int]] = [set() for _ in range(n)]
-    for a in p.activations:
-        r, d = model.region_of[a.key], dec[a.key]
-        if d is Decision.KEEP:
-            kept[r] += a.bytes
-        elif d is Decision.SWAP:
-            swapped[r] += a.bytes
-        else:
-            rerun[r].update(a.producers)
+    kept, swapped = _bytes_by_region(model, dec)
     if _peak(total, kept, swapped, model.holds) > target:
         return dec  # nothing to give back (the caller's decisions do not meet the target)
     rec = [a for a in p.activations if dec[a.key] is Decision.RECOMPUTE and a.bytes > 0]

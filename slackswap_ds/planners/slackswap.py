@@ -29,7 +29,7 @@ from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
 from ..plan import Decision, Plan
 from ..profile import StepProfile
-from .common import PRIVATE, RegionModel, Share, keep_all, release, repair
+from .common import PRIVATE, RegionModel, Share, keep_all, region_peaks, release, repair
 
 NAME, VERSION = "slackswap", "2"
 
@@ -72,8 +72,7 @@ class _State:
 
     def peak(self) -> tuple[int, int]:
         """(estimated peak M, region where it occurs): M(r) = kept(<r) + bytes(r) + swapped(r-1)."""
-        m = self.bytes_np.copy()
-        m[1:] += np.cumsum(self.kept)[:-1] + self.swapped[:-1]
+        m = region_peaks(self.bytes_np, self.kept, self.swapped)
         where = int(np.argmax(m))
         return int(m[where]) + (self.m.holds - 1) * int(self.kept.sum()), where
 
