@@ -55,7 +55,9 @@ class GaveUp(AgreementError):
 
 class Channel(Protocol):
     """Non-blocking messages between the ranks of one job. A message is named; within one round
-    every (name, sender) pair is sent at most once."""
+    every (name, sender) pair is sent at most once. A channel of a group of the job's ranks (one
+    pipeline stage's) numbers them 0..world-1 and may list their job ranks in `members`, which
+    errors then name."""
 
     rank: int
     world: int
@@ -96,7 +98,8 @@ def wait_for(channel: Channel, name: str, senders: Sequence[int], deadline: floa
         heard = channel.hear() if listen else None
         if heard is not None:
             sender, why = heard
-            raise GaveUp(f"rank {channel.rank}: rank {sender} gave up: {why.decode(errors='replace')}")
+            raise GaveUp(f"rank {_job(channel, channel.rank)}: rank {_job(channel, sender)} gave up: "
+                         f"{why.decode(errors='replace')}")
         time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         pause = min(2 * pause, _POLL_MAX_S)
 
@@ -113,22 +116,23 @@ def exchange(channel: Channel, name: str, text: str, timeout_s: float, what: str
         if rank == 0:
             got = wait_for(channel, name, range(1, world), deadline)
             missing = [r for r in range(1, world) if r not in got]
-            error = (f"ranks {missing} did not send their {what} within sync_timeout_s={timeout_s:g} "
+            error = (f"ranks {_jobs(channel, missing)} did not send their {what} within sync_timeout_s={timeout_s:g} "
                      f"(exited, stuck, or not planning this step: {_NOT_PLANNING})") if missing else ""
             answer = json.dumps({"error": error, "all": [text] + [got[r].decode() for r in sorted(got)]})
             _send_verdict(channel, name + ".all", answer.encode(), sorted(got), time.monotonic() + ACK_S)
             if error:
-                raise AgreementError(f"rank 0: {error}")
+                raise AgreementError(f"rank {_job(channel, 0)}: {error}")
             return json.loads(answer)["all"]
         channel.post(name, text.encode(), [0])
         reply, where = _receive_verdict(channel, name + ".all", deadline + MARGIN_S, sent=name)
         if reply is None:
-            raise AgreementError(f"rank {rank}: rank 0 did not answer the exchange of {what} within "
-                                 f"sync_timeout_s={timeout_s:g}: rank 0 exited, is stuck, or is not planning this "
+            lead = _job(channel, 0)
+            raise AgreementError(f"rank {_job(channel, rank)}: rank {lead} did not answer the exchange of {what} "
+                                 f"within sync_timeout_s={timeout_s:g}: rank {lead} exited, is stuck, or is not planning this "
                                  f"step{where} ({_NOT_PLANNING})")
         answer = json.loads(reply.decode())
         if answer["error"]:
-            raise AgreementError(f"rank {rank} (verdict of rank 0): {answer['error']}")
+            raise AgreementError(f"rank {_job(channel, rank)} (verdict of rank {_job(channel, 0)}): {answer['error']}")
         return answer["all"]
 
 
@@ -150,7 +154,7 @@ def _agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: f
         payload = json.dumps({"profile": local.to_json(), "plan": plan.to_json()}).encode()
         channel.post("plan", payload, range(1, world))
         reports = wait_for(channel, "report", range(1, world), deadline)
-        problems = _judge(reports, world, plan.digest, timeout_s)
+        problems = _judge(reports, world, plan.digest, timeout_s, lambda rs: _jobs(channel, rs), _job(channel, 0))
         verdict = "ok" if not problems else "; ".join(problems)
         _send_verdict(channel, "verdict", verdict.encode(), sorted(reports), time.monotonic() + ACK_S)
         if problems:
@@ -159,8 +163,9 @@ def _agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: f
 
     got = wait_for(channel, "plan", [0], deadline)
     if 0 not in got:
-        raise AgreementError(f"rank {rank}: rank 0 did not send a plan within sync_timeout_s={timeout_s:g}: "
-                             f"rank 0 exited, is stuck, or planned for longer than that")
+        lead = _job(channel, 0)
+        raise AgreementError(f"rank {_job(channel, rank)}: rank {lead} did not send a plan within "
+                             f"sync_timeout_s={timeout_s:g}: rank {lead} exited, is stuck, or planned for longer than that")
     plan_came = time.monotonic()
     try:
         data = json.loads(got[0].decode())
@@ -180,16 +185,28 @@ def _agree(channel: Channel, local: StepProfile, plan: Plan | None, timeout_s: f
     channel.post("report", bytes([status]) + digest.encode(), [0])
     reply, _ = _receive_verdict(channel, "verdict", plan_came + timeout_s + MARGIN_S)
     if reply is None:
-        raise AgreementError(f"rank {rank}: no verdict from rank 0 within sync_timeout_s={timeout_s:g} of its plan "
-                             f"(rank 0 exited or is stuck)")
+        lead = _job(channel, 0)
+        raise AgreementError(f"rank {_job(channel, rank)}: no verdict from rank {lead} within "
+                             f"sync_timeout_s={timeout_s:g} of its plan (rank {lead} exited or is stuck)")
     verdict = reply.decode()
     if verdict != "ok":
-        raise AgreementError(f"plan agreement failed (verdict of rank 0): {verdict}")
+        raise AgreementError(f"plan agreement failed (verdict of rank {_job(channel, 0)}): {verdict}")
     return profile, received
 
 
 _NOT_PLANNING = ("a rank plans a step whose input shapes it has not seen before; every data-parallel rank must "
                  "see the same input shapes at the same step")
+
+
+def _job(channel: Channel, rank: int) -> int:
+    """`rank` of `channel` as the job numbers it: a group's channel (the ranks of one pipeline
+    stage, say) numbers its members from 0 and lists their job ranks in `members`."""
+    members = getattr(channel, "members", None)
+    return members[rank] if members else rank
+
+
+def _jobs(channel: Channel, ranks) -> list[int]:
+    return [_job(channel, r) for r in ranks]
 
 
 def give_up(channel: Channel, why: str) -> None:
@@ -226,7 +243,7 @@ def _present(channel: Channel, name: str) -> str:
     except AgreementError:
         return ""
     absent = [r for r in range(channel.world) if r not in here]
-    return f" (ranks {here} entered this round; ranks {absent} did not)"
+    return f" (ranks {_jobs(channel, here)} entered this round; ranks {_jobs(channel, absent)} did not)"
 
 
 def _send_verdict(channel: Channel, name: str, verdict: bytes, to: Sequence[int], deadline: float) -> None:
@@ -249,27 +266,29 @@ def _receive_verdict(channel: Channel, name: str, deadline: float, sent: str = "
     return got.get(0), where
 
 
-def _judge(reports: dict[int, bytes], world: int, digest: str, timeout_s: float) -> list[str]:
-    """Rank 0's verdict on the reports: one sentence per kind of fault, each naming its ranks."""
+def _judge(reports: dict[int, bytes], world: int, digest: str, timeout_s: float,
+           name: Callable[[list[int]], list[int]] = list, lead: int = 0) -> list[str]:
+    """Rank 0's verdict on the reports: one sentence per kind of fault, each naming its ranks
+    (`name`: as the job numbers them; `lead`: rank 0's job rank)."""
     problems = []
     silent = [r for r in range(1, world) if r not in reports]
     if silent:
-        problems.append(f"ranks {silent} did not report within sync_timeout_s={timeout_s:g} "
+        problems.append(f"ranks {name(silent)} did not report within sync_timeout_s={timeout_s:g} "
                         f"(exited or stuck before plan agreement)")
     other_step = sorted(r for r, b in reports.items() if b[0] == _OTHER_STEP)
     if other_step:
-        problems.append(f"ranks {other_step} run a different step than rank 0 (saved-tensor names or bytes "
+        problems.append(f"ranks {name(other_step)} run a different step than rank {lead} (saved-tensor names or bytes "
                         f"differ): they cannot share its plan; make every data-parallel rank run the same model "
                         f"on the same shapes")
     unreadable = sorted(r for r, b in reports.items() if b[0] == _UNREADABLE)
     if unreadable:
-        problems.append(f"ranks {unreadable} could not read the plan they received (corrupted in transit)")
+        problems.append(f"ranks {name(unreadable)} could not read the plan they received (corrupted in transit)")
     unfit = sorted(r for r, b in reports.items() if b[0] == _PLAN_UNFIT)
     if unfit:
-        problems.append(f"ranks {unfit} received a plan that does not fit rank 0's own profile")
+        problems.append(f"ranks {name(unfit)} received a plan that does not fit rank {lead}'s own profile")
     mismatch = sorted(r for r, b in reports.items() if b[0] != _UNREADABLE and b[1:].decode(errors="replace") != digest)
     if mismatch:
-        problems.append(f"ranks {mismatch} hold a plan whose digest differs from rank 0's {digest[:12]} "
+        problems.append(f"ranks {name(mismatch)} hold a plan whose digest differs from rank {lead}'s {digest[:12]} "
                         f"(corrupted or tampered in transit)")
     return problems
 

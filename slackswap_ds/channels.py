@@ -21,12 +21,13 @@ class MpiChannel:
     """Messages as MPI point-to-point sends. Messages with one (sender, tag) never overtake each
     other, so successive rounds need no numbering; a name's tag is a hash of the name."""
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, members: Sequence[int] | None = None):
         from mpi4py import MPI
 
         self.mpi = MPI
         self.comm = comm or MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+        self.members = list(members) if members is not None else None  # job ranks of a group's comm
         self._sends: list = []  # (request, buffer): the buffer must live until the send completes
         self._heard: tuple[int, bytes] | None = None
 
@@ -128,7 +129,8 @@ class StoreChannel:
 
     silence_s = 2.0
 
-    def __init__(self, store=None, rank: int | None = None, world: int | None = None, prefix: str = "slackswap"):
+    def __init__(self, store=None, rank: int | None = None, world: int | None = None, prefix: str = "slackswap",
+                 members: Sequence[int] | None = None):
         import torch.distributed as dist
 
         if store is None:
@@ -139,6 +141,7 @@ class StoreChannel:
         self.store, self.prefix, self.round = store, prefix, 0
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
+        self.members = list(members) if members is not None else None  # a group's job ranks (agreement.Channel)
         self._keys: list[str] = []  # this round's keys this rank wrote or read
         self._calls = _BoundedCalls(self.silence_s)
         self._heard: tuple[int, bytes] | None = None

@@ -113,22 +113,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = out[0]
     if cfg.enabled:
         _setup_logging(cfg.log_level)
-        if _is_pipeline_engine(engine):
-            if _job_rank() == 0:  # one line per job: every rank is in the same situation
-                _warn_pipeline()
+        if _is_pipeline_engine(engine):  # its own schedule, several micro-batches in flight: stages.py
+            from .stages import StageRuntime
+
+            StageRuntime(engine, cfg).attach()
         else:
             SlackSwapRuntime(engine, cfg).attach()
     return out
-
-
-def _warn_pipeline() -> None:
-    # PipelineEngine runs its own schedule of forwards and backwards (never engine.forward /
-    # engine.backward, which SlackSwap hooks), several micro-batches in flight per stage: not
-    # supported yet. Say so rather than look active and do nothing.
-    log.warning("slackswap: pipeline parallelism (deepspeed.pipe.PipelineModule) is not supported yet: "
-                "SlackSwap stays off for this job and activations are handled as without it (the "
-                "pipeline's own activation_checkpoint_interval still applies). Per-stage plans are "
-                "simulated by `slackswap simulate --pp`.")
 
 
 def _is_pipeline_engine(engine) -> bool:
@@ -204,27 +195,12 @@ class SlackSwapRuntime:
     node_ranks: int = 1  # ranks on this rank's node (from the node facts)
     rank0_share: Any = None  # rank 0's Share (a rank logs its plan line only where its own differs)
     report: dict = field(default_factory=dict)  # since the last log_every report: steps, seconds, peak, fallbacks
+    holds: int = 1  # micro-batches whose saved tensors are held at once (a pipeline stage's: stages.py)
     _said_offload_param: bool = False
 
     def attach(self) -> None:
+        self._prepare()
         engine = self.engine
-        self.module = engine.module
-        self.hw = resolve_hardware(self.cfg.hardware)
-        self.topology, self.uplink_bps = self._topology()
-        self.sync = self.cfg.sync
-        if self.sync == "auto":
-            self.sync = "mpi" if _mpi_launched() and _has_mpi4py() else "torch"
-        elif self.sync == "mpi" and not _mpi_launched():
-            # each process would init MPI alone, call itself rank 0 of 1, plan alone and take the whole pool
-            raise AgreementError('"sync": "mpi" needs a job launched by MPI (mpirun / mpiexec, srun --mpi, or '
-                                 'deepspeed --launcher mpich / openmpi), and this process was not (none of '
-                                 f'{", ".join(_MPI_LAUNCH_VARS)} is set); use "sync": "auto" or "torch"')
-        if self.sync == "mpi" and not self.cfg.ranks_per_node:
-            from .dist import node_layout
-
-            # a collective, so here, as DeepSpeed starts (every rank alive), not when planning
-            self.mpi_node = node_layout()[0].node
-        log.debug("slackswap: plans agreed over %s; host uplinks from %s", self._via(), self.topology.source)
         forward, backward = engine.forward, engine.backward
 
         def slackswap_forward(*args, **kwargs):
@@ -243,6 +219,26 @@ class SlackSwapRuntime:
         engine.forward = slackswap_forward
         engine.backward = slackswap_backward
         engine.slackswap = self
+
+    def _prepare(self) -> None:
+        """What every rank settles as DeepSpeed starts: hardware, host uplinks, how ranks agree."""
+        self.module = self.engine.module
+        self.hw = resolve_hardware(self.cfg.hardware)
+        self.topology, self.uplink_bps = self._topology()
+        self.sync = self.cfg.sync
+        if self.sync == "auto":
+            self.sync = "mpi" if _mpi_launched() and _has_mpi4py() else "torch"
+        elif self.sync == "mpi" and not _mpi_launched():
+            # each process would init MPI alone, call itself rank 0 of 1, plan alone and take the whole pool
+            raise AgreementError('"sync": "mpi" needs a job launched by MPI (mpirun / mpiexec, srun --mpi, or '
+                                 'deepspeed --launcher mpich / openmpi), and this process was not (none of '
+                                 f'{", ".join(_MPI_LAUNCH_VARS)} is set); use "sync": "auto" or "torch"')
+        if self.sync == "mpi" and not self.cfg.ranks_per_node:
+            from .dist import node_layout
+
+            # a collective, so here, as DeepSpeed starts (every rank alive), not when planning
+            self.mpi_node = node_layout()[0].node
+        log.debug("slackswap: plans agreed over %s; host uplinks from %s", self._via(), self.topology.source)
 
     # ---- per step ----------------------------------------------------------------------------
     def _before_forward(self, args: tuple, kwargs: dict) -> None:
@@ -433,20 +429,21 @@ class SlackSwapRuntime:
         return pinned, self._fit_to_device(pinned, self._plan_within(pinned, plan.budget_bytes, planner))
 
     def _plan_within(self, profile: StepProfile, budget: int, planner: str) -> Plan:
-        """`planner`'s plan; if it finds none within the budget, the fastest (simulated) of the
-        fallbacks that does, with a warning; if none does, BudgetInfeasibleError with every reason."""
+        """`planner`'s plan (for `holds` micro-batches at once); if it finds none within the budget,
+        the fastest (simulated) of the fallbacks that does, with a warning; if none does,
+        BudgetInfeasibleError with every reason."""
         from .errors import BudgetInfeasibleError
         from .planners import get_planner
 
         try:
-            return get_planner(planner)(profile, self.hw, budget, self.plan_share)
+            return get_planner(planner)(profile, self.hw, budget, self.plan_share, holds=self.holds)
         except BudgetInfeasibleError as e:
             reasons, found = [_reason(planner, e)], []
         for other in _FALLBACK_PLANNERS:
             if other == planner:
                 continue
             try:
-                plan = get_planner(other)(profile, self.hw, budget, self.plan_share)
+                plan = get_planner(other)(profile, self.hw, budget, self.plan_share, holds=self.holds)
             except BudgetInfeasibleError as e:
                 reasons.append(_reason(other, e))
                 continue
@@ -469,7 +466,7 @@ class SlackSwapRuntime:
 
         if Device.current().has_streams:
             return plan
-        fitted = fit_triggers(profile, plan, Hardware.instant_copies(), self.plan_share)
+        fitted = fit_triggers(profile, plan, Hardware.instant_copies(), self.plan_share, holds=self.holds)
         if fitted is not plan:
             log.info("slackswap: copies are synchronous on this device; prefetches retimed so that the plan "
                      "stays within its budget here (%s -> %s)", plan.digest[:12], fitted.digest[:12])
@@ -595,24 +592,27 @@ class SlackSwapRuntime:
             return torch.cuda.current_device()
         return int(os.environ.get("LOCAL_RANK") or 0)
 
-    def _coordinate(self, channel, local: StepProfile, budget: int, key: tuple) -> None:
+    def _coordinate(self, channel, local: StepProfile, budget: int, key: tuple, peers: list[int] | None = None) -> None:
         """Tell every rank this rank's node, uplink, demand and step; from everyone's, set this rank's
-        Share of its node (`share`, which sizes its host pool) and the tightest (`plan_share`).
-        Replicas planning another step than rank 0's are named on every rank (AgreementError)."""
+        Share of its node (`share`, which sizes its host pool) and the tightest of its `peers`'
+        (`plan_share`; peers: the ranks that run its plan, by default every rank). Peers planning
+        another step than the first of them are named on every rank (AgreementError)."""
         from .agreement import exchange
         from .dist import RankFacts, shares_of, tightest
 
         gpu = self._gpu()
         facts = RankFacts(node=self._node_key(channel.rank), uplink=self.topology.uplink_of[gpu % self.topology.gpus],
-                          demand=max(0, local.total_bytes - budget),
+                          demand=max(0, self.holds * local.total_bytes - budget),
                           step=f"input shapes {_inputs(key)}, profile {local.structure_digest[:12]}")
         everyone = [RankFacts.from_json(b) for b in exchange(channel, "facts", facts.to_json(), self.cfg.sync_timeout_s,
                                                               "node facts (node, uplink, demand)")]
-        others = {r: f.step for r, f in enumerate(everyone) if f.step != everyone[0].step}
+        peers = list(range(channel.world)) if peers is None else peers
+        lead = peers[0]
+        others = {r: everyone[r].step for r in peers if everyone[r].step != everyone[lead].step}
         if others:
             raise AgreementError(
-                f"rank {channel.rank}: ranks {sorted(others)} plan another step than rank 0 ({everyone[0].step}): "
-                + "; ".join(f"rank {r}: {step}" for r, step in sorted(others.items()))
+                f"rank {channel.rank}: ranks {sorted(others)} plan another step than rank {lead} "
+                f"({everyone[lead].step}): " + "; ".join(f"rank {r}: {step}" for r, step in sorted(others.items()))
                 + ". Data-parallel replicas must run the same model on the same input shapes at each step "
                   "(pad variable-length batches to a common length, e.g. with slackswap_ds.pad_to_multiple)")
         pinned = _zero_offload_pinned_bytes(self.engine)
@@ -629,7 +629,8 @@ class SlackSwapRuntime:
             log.info("slackswap: ZeRO-Offload copies gradients to the host during backward and pins %.2f GB of "
                      "optimizer state per rank: plans prefetch at the duplex rate (%.1f GB/s) and share only "
                      "what the node's pool has left", pinned / 1e9, shares[channel.rank].h2d(self.hw) / 1e9)
-        self.share, self.plan_share, self.rank0_share = shares[channel.rank], tightest(shares), shares[0]
+        self.share, self.rank0_share = shares[channel.rank], shares[lead]
+        self.plan_share = tightest([shares[r] for r in peers])
         node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
         self.node_ranks = len(node_ranks)
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,

@@ -376,14 +376,16 @@ def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardwa
     return plan
 
 
-def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = PRIVATE) -> Plan:
+def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = PRIVATE, holds: int = 1) -> Plan:
     """`plan` as it should run on `hw`, another device than it was made for: if its prefetches,
     timed for the planning hardware, push the peak on `hw` over the budget, they are timed for
     `hw` instead (same decisions; on `Hardware.instant_copies()`, the synchronous CPU path, each
-    copy-in then starts just before backward needs it). Returns `plan` itself if it fits."""
+    copy-in then starts just before backward needs it). Returns `plan` itself if it fits. With
+    `holds` micro-batches in flight, the others' kept bytes count against the budget too."""
     if not plan.prefetch:
         return plan
-    if simulate(lower(profile, plan), share.limit(hw), budget_bytes=plan.budget_bytes, record=False).feasible:
+    held = (holds - 1) * plan.bytes_by_decision(profile)[Decision.KEEP]
+    if simulate(lower(profile, plan), share.limit(hw), budget_bytes=plan.budget_bytes - held, record=False).feasible:
         return plan
     decisions = dict(plan.decision)
     draft = draft_schedule(profile, decisions, plan.replay)

@@ -196,7 +196,8 @@ _DROPPED = object()  # what a replay's own saves become (never unpacked)
 class _Step:
     """One step: the forwards since the last backward, and the backward that follows them."""
 
-    def __init__(self, verifying: bool):
+    def __init__(self, program: "Program | None", verifying: bool):
+        self.program = program  # the plan it runs under (a re-plan changes the executor's, not an open step's)
         self.stats = StepStats()
         self.backward = False  # backward has started (a new forward then starts a new step)
         self.verifying = verifying
@@ -274,7 +275,8 @@ class Executor:
         self._dropped: collections.deque = collections.deque()
         self._in_flight: collections.deque = collections.deque()  # swaps whose copy-out may not have ended
         self._resident = 0
-        self._step: _Step | None = None
+        self._step: _Step | None = None  # the step whose forward or backward runs now
+        self._micro_batches: dict[Any, _Step] = {}  # pipeline schedules: open steps by micro-batch (start())
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._stack: contextlib.ExitStack | None = None
@@ -380,25 +382,74 @@ class Executor:
         step = self._step
         if step is None or step.backward:
             self._close_step()
-            step = self._step = _Step(self._verify_next and self._program is not None)
-            self.regions.reset()
-            if self.record:
-                self._timeline = Timeline()
-                tracer = self.observer if self.observer is not None else self._tracer
-                if tracer is not None:
-                    tracer.timeline = self._timeline
+            step = self._step = self._new_step()
         return step
+
+    def _new_step(self) -> _Step:
+        step = _Step(self._program, self._verify_next and self._program is not None)
+        self._verify_next = self._verify_next and not step.verifying  # one step checks the plan's recomputes
+        self.regions.reset()
+        if self.record:
+            self._timeline = Timeline()
+            tracer = self.observer if self.observer is not None else self._tracer
+            if tracer is not None:
+                tracer.timeline = self._timeline
+        return step
+
+    # ---- micro-batches of a pipeline schedule ---------------------------------------------------
+    # Under 1F1B a stage runs the forwards of several micro-batches before the backward of the
+    # first: each micro-batch is a step of its own, open from its forward to the end of its
+    # backward, several at once. The schedule says which is which (the executor cannot tell a
+    # micro-batch's forward from a second forward of gradient accumulation): start(tag) before its
+    # forward, resume(tag) before its backward, finish(tag) after it, each inside the context.
+    # Device bytes are counted over every open step, so a step's peak is the stage's.
+    def start(self, tag) -> None:
+        """The forward of micro-batch `tag` begins: a step of its own."""
+        with self._lock:
+            if tag in self._micro_batches:
+                raise RuntimeError(f"micro-batch {tag!r} started twice before its backward")
+            self._detach_step()
+            self._step = self._micro_batches[tag] = self._new_step()
+
+    def resume(self, tag) -> None:
+        """The backward of micro-batch `tag` begins (its step is the current one)."""
+        with self._lock:
+            self._detach_step()
+            self._step = self._micro_batches[tag]
+
+    def finish(self, tag) -> None:
+        """The backward of micro-batch `tag` has ended: its step closes."""
+        with self._lock:
+            step = self._micro_batches.pop(tag)
+            if self._step is step:
+                self._step = None
+            self._close(step)
+
+    @property
+    def open_micro_batches(self) -> int:
+        return len(self._micro_batches)
+
+    def _detach_step(self) -> None:
+        """Leave the current step: closed, unless it is a micro-batch's (which stays open)."""
+        if self._step is not None and self._step not in self._micro_batches.values():
+            self._close_step()
+        self._step = None
 
     def _close_step(self) -> None:
         step = self._step
         if step is None:
             return
         self._step = None
+        if step in self._micro_batches.values():
+            return  # a micro-batch between its forward and its backward: finish() closes it
+        self._close(step)
+
+    def _close(self, step: _Step) -> None:
         self._drain()
         step.closed = True
         if step.live == 0:
             step.clear()
-        if self.observer is not None and self._program is None:
+        if self.observer is not None and step.program is None:
             self.observer.step_closed()  # profiling: one step is the profile (accumulation runs several)
         stats = step.stats
         stats.host_pool_bytes = self._pool.stats().bytes_in_use if self._pool is not None else 0
@@ -410,19 +461,17 @@ class Executor:
         if step.verifying:
             stats.verified = not step.failures
             stats.demoted = dict(step.failures)
-            self._verify_next = False
             if self._verify_pool is not None:
                 self._verify_pool.trim()  # the originals' host memory is not needed again
             if step.failures:
-                self._demote(step.failures)
+                self._demote(step.program, step.failures)
         for why, n in stats.fallbacks.items():
             if why not in self._warned:
                 self._warned.add(why)
                 log.warning("slackswap: %d saved tensor(s) in step %d (%s); counted in stats.fallbacks, "
                             "warned once", n, self.stats.steps, why)
 
-    def _demote(self, failures: dict[str, str]) -> None:
-        program = self._program
+    def _demote(self, program: Program, failures: dict[str, str]) -> None:
         try:
             profile, plan = self.replan(program.profile, program.plan, failures)
         except Exception as e:  # noqa: BLE001 - a failed re-plan must not lose the step: demote by hand
@@ -465,7 +514,7 @@ class Executor:
                 if self.observer is not None:
                     self._call_args = [t.untyped_storage()._cdata for t in _flatten_call((args, kwargs))[0]
                                        if isinstance(t, torch.Tensor)]
-                program = self._program
+                program = step.program
                 if program is None or label not in program.rerun:
                     return
                 call = CallRecord(label, module, autocast=autocast_state(self._device_type))
@@ -566,7 +615,7 @@ class Executor:
         step.ordinals[label] = n + 1
         key = activation_key(label, n, maker_of(t))
         nbytes = st.nbytes()
-        program, stats = self._program, step.stats
+        program, stats = step.program, step.stats
         planned = program.acts.get(key) if program is not None else None
         if program is None:  # profiling: to host (blocking), so the step fits any budget above the kept bytes
             decision = Decision.KEEP if self._resident + nbytes <= self.profile_keep_bytes else Decision.SWAP
@@ -675,7 +724,7 @@ class Executor:
         recomputes is replayed first (the Schedule's RECOMPUTE at the region's first backward op)."""
         entry.reached = True
         step = entry.step
-        program = self._program
+        program = step.program
         if program is not None and not program.any_backward_work and step.backward:
             return  # nothing to prefetch or replay (keep-only plans)
         if not step.backward:
@@ -736,7 +785,7 @@ class Executor:
         self._replay_step = step
         try:
             args, kwargs = self._arguments(call)
-            run_replay(self, call, self._program.rerun.get(call.label, frozenset()), args, kwargs,
+            run_replay(self, call, step.program.rerun.get(call.label, frozenset()), args, kwargs,
                        self._replay_context)
         except Exception as e:  # noqa: BLE001 - any failure of the model's code in a replay
             if not step.verifying:
@@ -789,10 +838,11 @@ class Executor:
 
     def ran(self, call: CallRecord, k: int) -> None:
         """A replay ran op k of `call` for real (counted; the Schedule says which it should)."""
-        stats = (self._replay_step or self._step).stats
+        step = self._replay_step or self._step
+        stats, program = step.stats, step.program
         stats.ops_recomputed += 1
-        stats.recomputed_ops.append(self._program.op_keys.get((call.label, k), f"{call.label}:{k}:?"))
-        if k not in self._program.rerun.get(call.label, ()):
+        stats.recomputed_ops.append(program.op_keys.get((call.label, k), f"{call.label}:{k}:?"))
+        if k not in program.rerun.get(call.label, ()):
             stats.unplanned_reruns += 1
 
     def captured(self, entry: _Entry, t: torch.Tensor) -> None:

@@ -33,7 +33,13 @@ def _is_container(module: nn.Module) -> bool:
 
 
 def find_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Every layer of every block stack of `model`, as (module path, module), in module order."""
+    """Every layer of every block stack of `model`, as (module path, module), in module order.
+    A DeepSpeed PipelineModule (one stage of a pipeline) is a stack itself: its layers are the
+    modules it calls in turn (`forward_funcs`), registered as its children "0", "1", ..."""
+    funcs = getattr(model, "forward_funcs", None)
+    if isinstance(funcs, list) and hasattr(model, "topology"):
+        runs = {id(f) for f in funcs if isinstance(f, nn.Module)}
+        return [(name, child) for name, child in model.named_children() if id(child) in runs]
     layers: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
 

@@ -1,39 +1,118 @@
-"""A 2-stage deepspeed.pipe.PipelineModule trained by `ss.initialize` (see tests/test_engine.py).
+"""A deepspeed.pipe.PipelineModule (2 stages; with 4 ranks, 2 stages x 2 data-parallel) trained by
+`ss.initialize` for tests/test_stages.py: dropout on, 4 micro-batches per batch under 1F1B.
 
-    deepspeed --num_gpus 2 tests/pipe/worker.py --config CONFIG.json --losses OUT.json
+    deepspeed --num_gpus N tests/pipe/worker.py --config CONFIG.json --out DIR [--fault SCENARIO]
+
+Every rank writes DIR/rank<r>.json: its stage, the batches' losses, and under SlackSwap its plan's
+digest and budget, every stage's digest, and the peak of saved bytes measured in the planned
+batches. Fault scenarios (the faulty rank in the name; each rank prints `FAULT-TEST enter <rank>`
+as the batch that plans begins):
+    stop3-agree   rank 3 (stage 1) stops (SIGSTOP) when its stage's agreement begins
+    kill1-facts   rank 1 (stage 0) dies when the node facts exchange begins
 """
 
 import argparse
+import hashlib
 import json
+import os
+import signal
+import sys
+from pathlib import Path
 
 import deepspeed
 import torch
 from deepspeed.pipe import PipelineModule
 
-import slackswap_ds as ss
+if __name__ == "__main__":
+    for mpi, ours in (("PMI_RANK", "RANK"), ("PMI_SIZE", "WORLD_SIZE"), ("MPI_LOCALRANKID", "LOCAL_RANK")):
+        if mpi in os.environ:  # an MPI launch: DeepSpeed reads the torch.distributed variables
+            os.environ[ours] = os.environ[mpi]
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
 
-p = argparse.ArgumentParser()
-p.add_argument("--local_rank", type=int, default=0)
-p.add_argument("--config", required=True)
-p.add_argument("--losses", required=True)
-args = p.parse_args()
-deepspeed.init_distributed(dist_backend="gloo")
-torch.manual_seed(0)
-layers = [torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16)]
-net = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss())
-with open(args.config) as f:
-    config = json.load(f)
-engine, *_ = ss.initialize(model=net, model_parameters=list(net.parameters()), config=config)
+import slackswap_ds as ss  # noqa: E402
+from slackswap_ds import agreement, stages  # noqa: E402
+
+WIDTH, SEQ, BATCHES = 32, 8, 4
 
 
-def batches():
-    g = torch.Generator().manual_seed(1)
-    while True:
-        yield torch.randn(2, 16, generator=g), torch.randn(2, 16, generator=g)
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.up, self.down = torch.nn.Linear(WIDTH, 4 * WIDTH), torch.nn.Linear(4 * WIDTH, WIDTH)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
 
 
-data = batches()
-losses = [float(engine.train_batch(data)) for _ in range(3)]
-if engine.global_rank == 0:
-    with open(args.losses, "w") as f:
-        json.dump(losses, f)
+def say(text: str) -> None:
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
+def fault_before(name: str, fault, module=stages) -> None:
+    """Run `fault` when module.<name> (an agreement function the runtime calls) is next called."""
+    real = getattr(module, name)
+
+    def faulty(*args, **kwargs):
+        fault()
+        return real(*args, **kwargs)
+
+    setattr(module, name, faulty)
+
+
+def stop_here() -> None:
+    say(f"FAULT-TEST stopping {os.environ['RANK']}")
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--local_rank", type=int, default=0)
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--fault", default="")
+    args = p.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(WIDTH, WIDTH)] + [Block() for _ in range(6)] + [torch.nn.Linear(WIDTH, WIDTH)]
+    net = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    with open(args.config) as f:
+        config = json.load(f)
+    engine, *_ = ss.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
+                               config=config)
+    if args.fault == "stop3-agree" and rank == 3:
+        fault_before("agree", stop_here)
+    if args.fault == "kill1-facts" and rank == 1:
+        fault_before("exchange", lambda: os._exit(1), agreement)  # the node facts are the first exchange
+
+    def batches():
+        g = torch.Generator().manual_seed(1 + engine.grid.data_parallel_id)
+        while True:
+            yield torch.randn(2, SEQ, WIDTH, generator=g), torch.randn(2, SEQ, WIDTH, generator=g)
+
+    data, losses, peak = batches(), [], 0
+    runtime = getattr(engine, "slackswap", None)
+    for b in range(BATCHES):
+        if b == 1 and args.fault:
+            say(f"FAULT-TEST enter {rank}")
+        losses.append(float(engine.train_batch(data)))
+        if runtime is not None and b >= 2:
+            peak = max(peak, runtime.last_batch_peak)
+    params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
+    out = {"rank": rank, "stage": engine.stage_id, "losses": losses, "parameters": params}
+    if runtime is not None:
+        state = next(iter(runtime.shapes.values()))
+        out.update(digest=state.plan.digest, budget=state.plan.budget_bytes, peak=peak, holds=runtime.holds,
+                   keep_all=runtime.holds * state.profile.total_bytes, stage_plans=runtime.stage_plans,
+                   predicted_peak=state.predicted_peak)
+    Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
+    say(f"FAULT-TEST done {rank}")
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
