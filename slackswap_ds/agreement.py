@@ -104,19 +104,22 @@ def wait_for(channel: Channel, name: str, senders: Sequence[int], deadline: floa
         pause = min(2 * pause, _POLL_MAX_S)
 
 
-def exchange(channel: Channel, name: str, text: str, timeout_s: float, what: str) -> list[str]:
+def exchange(channel: Channel, name: str, text: str, timeout_s: float, what: str, grace_s: float = 0.0) -> list[str]:
     """Every rank's `text`, in rank order, on every rank, through rank 0 (so every rank names the
     same culprit): an AgreementError naming the ranks whose text did not reach rank 0 within
-    `timeout_s` (`what` says what was being exchanged)."""
+    `timeout_s` (`what` says what was being exchanged), plus `grace_s` where ranks may first have
+    to finish a round of their own with that deadline (a pipeline stage's agreement: its own
+    first rank names a culprit there sooner, and shouts)."""
     rank, world = channel.rank, channel.world
     if world == 1:
         return [text]
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + timeout_s + grace_s
+    waited = f"sync_timeout_s={timeout_s:g}" + (f" (+{grace_s:g} s for their own round first)" if grace_s else "")
     with _shouting(channel):
         if rank == 0:
             got = wait_for(channel, name, range(1, world), deadline)
             missing = [r for r in range(1, world) if r not in got]
-            error = (f"ranks {_jobs(channel, missing)} did not send their {what} within sync_timeout_s={timeout_s:g} "
+            error = (f"ranks {_jobs(channel, missing)} did not send their {what} within {waited} "
                      f"(exited, stuck, or not planning this step: {_NOT_PLANNING})") if missing else ""
             answer = json.dumps({"error": error, "all": [text] + [got[r].decode() for r in sorted(got)]})
             _send_verdict(channel, name + ".all", answer.encode(), sorted(got), time.monotonic() + ACK_S)
@@ -128,7 +131,7 @@ def exchange(channel: Channel, name: str, text: str, timeout_s: float, what: str
         if reply is None:
             lead = _job(channel, 0)
             raise AgreementError(f"rank {_job(channel, rank)}: rank {lead} did not answer the exchange of {what} "
-                                 f"within sync_timeout_s={timeout_s:g}: rank {lead} exited, is stuck, or is not planning this "
+                                 f"within {waited}: rank {lead} exited, is stuck, or is not planning this "
                                  f"step{where} ({_NOT_PLANNING})")
         answer = json.loads(reply.decode())
         if answer["error"]:

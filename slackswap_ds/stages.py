@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .agreement import AgreementError, agree, exchange, give_up
+from .agreement import MARGIN_S, AgreementError, agree, exchange, give_up
 from .engine import EVERY_RANK, SlackSwapRuntime, _shape_key, _ShapeState, log
 from .plan import Decision, lower
 from .profile import StepProfile
@@ -249,8 +249,11 @@ class StageRuntime(SlackSwapRuntime):
     def _check_stages(self, channel, digest: str) -> None:
         """Every rank's stage and plan digest on every rank (the job-wide round: names any rank of
         any stage that did not get here in time); replicas of one stage must hold one plan."""
-        texts = exchange(channel, "stageplans", json.dumps([self.stage, digest]), self.cfg.sync_timeout_s,
-                         "stage and plan digest")
+        timeout = self.cfg.sync_timeout_s
+        # a stage still agreeing may take its own sync_timeout_s first (its first rank then names
+        # the culprit and shouts): the job-wide round waits that out before naming anyone
+        texts = exchange(channel, "stageplans", json.dumps([self.stage, digest]), timeout, "stage and plan digest",
+                         grace_s=timeout + MARGIN_S)
         by_stage: dict[int, dict[str, list[int]]] = {}
         for rank, text in enumerate(texts):
             stage, their = json.loads(text)

@@ -1,10 +1,40 @@
 import os
 import socket
+import time
+from pathlib import Path
 
 import pytest
 
 from slackswap_ds.hardware import Hardware, load_hardware
 from slackswap_ds.profile import Activation, Op, StepProfile
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_left_behind():
+    """DeepSpeed's CPU all-reduce leaves a 67 MB file per rank in /dev/shm when its job ends (it
+    never unlinks them), and MPICH leaves its segments behind when a rank is killed: a few runs of
+    the suite would fill /dev/shm, and the machine's memory with it. At the end of the session,
+    remove the ones made since it began that no process still holds."""
+    began = time.time()
+    yield
+    shm = Path("/dev/shm")
+    leftovers = [*shm.glob("deepspeed_allreduce_buffer_*"), *shm.glob("mpich_shm_*")] if shm.is_dir() else []
+    if not leftovers:
+        return
+    held: set[str] = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            held.update(os.readlink(fd) for fd in (proc / "fd").iterdir())
+            held.update(line.split(maxsplit=5)[-1].strip() for line in (proc / "maps").read_text().splitlines()
+                        if "/dev/shm/" in line)
+        except OSError:
+            continue
+    for f in leftovers:
+        try:
+            if f.stat().st_mtime >= began and str(f) not in held:
+                f.unlink()
+        except OSError:
+            pass
 
 
 @pytest.fixture(scope="session")

@@ -69,13 +69,17 @@ def _read(stream, sink) -> None:
         sink(time.monotonic(), line.rstrip("\n"))
 
 
-def run_torch(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
+def worker_args(scenario: str) -> list[str]:
+    return [str(WORKER), scenario, str(TIMEOUT_S)]
+
+
+def run_torch(scenario: str, n: int = 4, limit_s: float = 150, args: list[str] | None = None) -> Job:
     """n processes on one store, as torchrun starts them; ranks still alive once the others have
-    exited (a stopped one) are killed."""
+    exited (a stopped one) are killed. `args`: another worker's command line."""
     port, ranks, procs, readers = free_loopback_port(), [Rank() for _ in range(n)], [], []
     began = time.monotonic()
     for r in range(n):
-        p = subprocess.Popen([sys.executable, str(WORKER), scenario, str(TIMEOUT_S)], cwd=ROOT, text=True,
+        p = subprocess.Popen([sys.executable, *(args or worker_args(scenario))], cwd=ROOT, text=True,
                              env=env(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), MASTER_PORT=str(port)),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         t = threading.Thread(target=_read, args=(p.stdout, lambda at, line, k=ranks[r]: k.lines.append((at, line))))
@@ -103,7 +107,7 @@ def run_torch(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
                "\n".join(line for k in ranks for _, line in k.lines))
 
 
-def run_mpi(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
+def run_mpi(scenario: str, n: int = 4, limit_s: float = 150, args: list[str] | None = None) -> Job:
     ranks, everything = [Rank() for _ in range(n)], []
 
     def sink(at, line):
@@ -114,8 +118,8 @@ def run_mpi(scenario: str, n: int = 4, limit_s: float = 150) -> Job:
             ranks[int(m.group(1) or m.group(2))].lines.append((at, m.group(0)))
 
     began = time.monotonic()
-    p = subprocess.Popen([MPIEXEC, "-iface", "lo", "-n", str(n), sys.executable, str(WORKER), scenario,
-                          str(TIMEOUT_S)], cwd=ROOT, env=env(MASTER_PORT=str(free_loopback_port())), text=True,
+    p = subprocess.Popen([MPIEXEC, "-iface", "lo", "-n", str(n), sys.executable, *(args or worker_args(scenario))],
+                         cwd=ROOT, env=env(MASTER_PORT=str(free_loopback_port())), text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     reader = threading.Thread(target=_read, args=(p.stdout, sink))
     reader.start()

@@ -107,7 +107,7 @@ def main() -> None:
         state = next(iter(runtime.shapes.values()))
         out.update(digest=state.plan.digest, budget=state.plan.budget_bytes, peak=peak, holds=runtime.holds,
                    keep_all=runtime.holds * state.profile.total_bytes, stage_plans=runtime.stage_plans,
-                   predicted_peak=state.predicted_peak)
+                   predicted_peak=state.predicted_peak, layers=int(dict(state.profile.meta)["layers"]))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     say(f"FAULT-TEST done {rank}")
     torch.distributed.barrier()
