@@ -44,6 +44,7 @@ class _Batch:
     """One train_batch run under SlackSwap."""
 
     profiling: tuple | None = None  # (buffer id, ProfileSession, shape key) of the micro-batch traced
+    planned: tuple | None = None  # the shape key of the micro-batches run under a plan
     open: dict = field(default_factory=dict)  # buffer id -> the context its micro-batch runs in
     most_open: int = 0
     peak: int = 0  # device bytes of saved tensors, over every micro-batch in flight
@@ -125,20 +126,24 @@ class StageRuntime(SlackSwapRuntime):
             except Exception as e:
                 self._give_up(e)
                 raise
-        elif self.active_plan is not None and self.last_stats is not None:
+        elif batch.planned is not None:
             from .runtime.executor import StepStats
 
+            state = self.shapes[batch.planned]
+            if batch.most_open > self.holds and "holds" not in self.said:
+                self.said.add("holds")
+                log.warning("slackswap: stage %d ran %d micro-batches at once, its plan was made for %d: the peak "
+                            "may exceed the budget (the gradients are unaffected)", self.stage, batch.most_open,
+                            self.holds)
             self.last_batch_peak = batch.peak
             self.last_stats = StepStats(peak_device_bytes=batch.peak, fallbacks=batch.fallbacks)
-            self._report(self._state_of(self.active_plan), self.last_stats)
+            self.active_plan = state.executor.plan
+            self._report(state, self.last_stats)
 
     def _say_once(self, what: str, message: str, *args) -> None:
         if what not in self.said:
             self.said.add(what)
             log.info(message, *args)
-
-    def _state_of(self, plan) -> _ShapeState:
-        return next(s for s in self.shapes.values() if s.plan is plan)
 
     def _forward(self, forward_pass, engine, buffer_id: int):
         batch = self.batch
@@ -170,7 +175,6 @@ class StageRuntime(SlackSwapRuntime):
             batch.peak = max(batch.peak, stats.peak_device_bytes)
             for why, n in stats.fallbacks.items():
                 batch.fallbacks[why] = batch.fallbacks.get(why, 0) + n
-            self.last_stats, self.active_plan = stats, executor.plan
 
     def _runner(self, batch: _Batch, key: tuple, buffer_id: int):
         """The context a micro-batch runs in: its shape's executor; the profiler, for the first
@@ -179,6 +183,7 @@ class StageRuntime(SlackSwapRuntime):
         state = self.shapes.get(key)
         if state is not None and state.executor is not None:
             self.shapes.move_to_end(key)
+            batch.planned = key
             return state.executor
         if state is None and self.shapes and self.cfg.replan == "never":
             return None
