@@ -105,6 +105,12 @@ def test_a_stage_rank_stopped_at_its_stages_agreement_is_named_by_every_rank(tmp
     test_faults.assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
 
 
+def test_a_stage_rank_dead_at_its_stages_agreement_is_named_by_every_rank(tmp_path):
+    # (under MPI the launcher ends the whole job when a rank exits: nothing waits on the dead rank)
+    job = fault_job(tmp_path, "torch", "kill3-agree")
+    test_faults.assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
+
+
 def test_a_stage_rank_dead_before_the_node_facts_is_named_by_every_rank(tmp_path):
     job = fault_job(tmp_path, "torch", "kill1-facts")
     test_faults.assert_named(job, [0, 2, 3], r"ranks \[1\] did not send their node facts")

@@ -8,6 +8,7 @@ digest and budget, every stage's digest, and the peak of saved bytes measured in
 batches. Fault scenarios (the faulty rank in the name; each rank prints `FAULT-TEST enter <rank>`
 as the batch that plans begins):
     stop3-agree   rank 3 (stage 1) stops (SIGSTOP) when its stage's agreement begins
+    kill3-agree   rank 3 (stage 1) dies (os._exit) when its stage's agreement begins
     kill1-facts   rank 1 (stage 0) dies when the node facts exchange begins
 """
 
@@ -85,6 +86,8 @@ def main() -> None:
                                config=config)
     if args.fault == "stop3-agree" and rank == 3:
         fault_before("agree", stop_here)
+    if args.fault == "kill3-agree" and rank == 3:
+        fault_before("agree", lambda: os._exit(1))
     if args.fault == "kill1-facts" and rank == 1:
         fault_before("exchange", lambda: os._exit(1), agreement)  # the node facts are the first exchange
 

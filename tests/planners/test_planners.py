@@ -232,3 +232,19 @@ def test_a_refusal_is_named_once_whoever_reports_it():
     assert refusal("slackswap", BudgetInfeasibleError("slackswap: no plan")) == "no plan"
     assert refusal("optimal", BudgetInfeasibleError("HiGHS said no")) == "HiGHS said no"
     assert refusal("slackswap", BudgetInfeasibleError("slackswapper: x")) == "slackswapper: x"
+
+
+@pytest.mark.parametrize("holds", [2, 3])
+def test_prefetches_retimed_for_synchronous_copies_count_the_micro_batches_held(a100, holds):
+    # a pipeline stage's plan made for the A100, run where copies are synchronous (CPU): the
+    # retimed plan must still fit the budget with the other held micro-batches' kept bytes
+    from slackswap_ds.hardware import Hardware
+    from slackswap_ds.planners.common import fit_triggers
+
+    prof = workload("gpt2-xl", a100)
+    budget = int(0.5 * holds * prof.total_bytes)
+    plan = PLANNERS["slackswap"](prof, a100, budget, holds=holds)
+    fitted = fit_triggers(prof, plan, Hardware.instant_copies(), holds=holds)
+    held = (holds - 1) * fitted.bytes_by_decision(prof)[Decision.KEEP]
+    assert fitted.decision == plan.decision
+    assert simulate(lower(prof, fitted), Hardware.instant_copies()).peak_bytes + held <= budget
