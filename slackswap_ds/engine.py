@@ -346,7 +346,6 @@ class SlackSwapRuntime:
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
     def _make_plan(self, state: _ShapeState, local: StepProfile, key: tuple) -> None:
         from .agreement import agree
-        from .runtime.executor import apply
 
         channel = self._channel()
         rank = channel.rank
@@ -360,22 +359,8 @@ class SlackSwapRuntime:
                 plan = self._fit_to_device(local, self._plan_within(local, budget, self.cfg.planner))
                 self._save_plan(made_for, plan)
         profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
-        state.profile, state.plan = profile, plan
-        from .runtime.device import Device
-        from .runtime.host_pool import HostPool
-
-        if self.pool is None:
-            self.pool = HostPool(self.share.host_pool_bytes, Device.current())
-        schedule = lower(profile, plan)  # lowered once: simulated here, executed by the executor
-        state.executor = apply(self.module, plan, profile, schedule=schedule, pool=self.pool, replan=self._replan)
+        sim = self._install(state, profile, plan, record=bool(self.cfg.trace_file and rank == 0))
         rank_hw = self.share.limit(self.hw)  # this rank's link as shared with its neighbours
-        trace = bool(self.cfg.trace_file and rank == 0)
-        sim = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes, record=trace)
-        from .planners import keep_all_result
-
-        ideal = keep_all_result(profile, self.hw).step_s
-        state.predicted_throughput = ideal / sim.step_s if sim.step_s else 1.0
-        state.predicted_step_s, state.predicted_peak = sim.step_s, sim.peak_bytes
         split = plan.bytes_by_decision(profile)
         if rank == 0:
             log.info(
@@ -397,6 +382,28 @@ class SlackSwapRuntime:
             write_trace(sim, self._trace_path("predicted"), title=f"slackswap plan {plan.digest[:12]} (predicted)",
                         budget_bytes=plan.budget_bytes)
             state.executor.record = True
+
+    def _install(self, state: _ShapeState, profile: StepProfile, plan: Plan, record: bool = False):
+        """From now on this shape's steps run `plan`: its executor on this rank's host pool, and the
+        prediction that reports compare with (simulated on this rank's link share; with `holds` > 1,
+        the other micro-batches' kept bytes on top of the peak). Returns the simulation."""
+        from .planners import keep_all_result
+        from .planners.common import held_bytes
+        from .runtime.device import Device
+        from .runtime.executor import apply
+        from .runtime.host_pool import HostPool
+
+        state.profile, state.plan = profile, plan
+        if self.pool is None:
+            self.pool = HostPool(self.share.host_pool_bytes, Device.current())
+        schedule = lower(profile, plan)  # lowered once: simulated here, executed by the executor
+        state.executor = apply(self.module, plan, profile, schedule=schedule, pool=self.pool, replan=self._replan)
+        held = held_bytes(profile, plan.decision, self.holds)
+        sim = simulate(schedule, self.share.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
+        ideal = keep_all_result(profile, self.hw).step_s
+        state.predicted_throughput = ideal / sim.step_s if sim.step_s else 1.0
+        state.predicted_step_s, state.predicted_peak = sim.step_s, sim.peak_bytes + held
+        return sim
 
     def _give_up(self, error: Exception) -> None:
         """This rank cannot plan the step: the job stops, since its replicas cannot run one plan.

@@ -27,6 +27,7 @@ stage i holds the saved tensors of k = min(stages - i, micro-batches) micro-batc
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,9 +35,8 @@ import torch
 
 from .agreement import MARGIN_S, AgreementError, agree, exchange, give_up
 from .engine import EVERY_RANK, SlackSwapRuntime, _shape_key, _ShapeState, log
-from .plan import Decision, lower
+from .plan import Decision
 from .profile import StepProfile
-from .simulator import simulate
 
 
 @dataclass
@@ -110,8 +110,8 @@ class StageRuntime(SlackSwapRuntime):
         module = self.module
         interval = module.activation_checkpoint_interval
         if interval:  # SlackSwap replaces checkpointing: the plan sees and manages every activation
-            self._say_once("checkpoint", "slackswap: the pipeline's activation_checkpoint_interval=%d is set aside "
-                                         "for batches run under SlackSwap plans", interval)
+            self._say_once("checkpoint", logging.INFO, "slackswap: the pipeline's activation_checkpoint_interval=%d is "
+                           "set aside for batches run under SlackSwap plans", interval)
         self.batch = batch = _Batch()
         module.activation_checkpoint_interval = 0
         try:
@@ -130,20 +130,19 @@ class StageRuntime(SlackSwapRuntime):
             from .runtime.executor import StepStats
 
             state = self.shapes[batch.planned]
-            if batch.most_open > self.holds and "holds" not in self.said:
-                self.said.add("holds")
-                log.warning("slackswap: stage %d ran %d micro-batches at once, its plan was made for %d: the peak "
-                            "may exceed the budget (the gradients are unaffected)", self.stage, batch.most_open,
-                            self.holds)
+            if batch.most_open > self.holds:
+                self._say_once("holds", logging.WARNING, "slackswap: stage %d ran %d micro-batches at once, its plan "
+                               "was made for %d: the peak may exceed the budget (the gradients are unaffected)",
+                               self.stage, batch.most_open, self.holds)
             self.last_batch_peak = batch.peak
             self.last_stats = StepStats(peak_device_bytes=batch.peak, fallbacks=batch.fallbacks)
             self.active_plan = state.executor.plan
             self._report(state, self.last_stats)
 
-    def _say_once(self, what: str, message: str, *args) -> None:
+    def _say_once(self, what: str, level: int, message: str, *args) -> None:
         if what not in self.said:
             self.said.add(what)
-            log.info(message, *args)
+            log.log(level, message, *args)
 
     def _forward(self, forward_pass, engine, buffer_id: int):
         batch = self.batch
@@ -207,11 +206,6 @@ class StageRuntime(SlackSwapRuntime):
 
     # ---- profile -> plan -> agree (stage) -> exchange (job) -> apply -----------------------------
     def _plan_stage(self, state: _ShapeState, local: StepProfile, key: tuple, holds: int) -> None:
-        from .planners import keep_all_result
-        from .runtime.device import Device
-        from .runtime.executor import apply
-        from .runtime.host_pool import HostPool
-
         self.holds = holds
         channel, timeout = self._channel(), self.cfg.sync_timeout_s
         budget = self.cfg.budget_for(holds * local.total_bytes)  # of the stage's keep-all peak
@@ -226,18 +220,8 @@ class StageRuntime(SlackSwapRuntime):
             give_up(channel, str(e))  # the other stages hear it now, not at their deadline
             raise
         self._check_stages(channel, plan.digest)
-        state.profile, state.plan = profile, plan
-        if self.pool is None:
-            self.pool = HostPool(self.share.host_pool_bytes, Device.current())
-        schedule = lower(profile, plan)
-        state.executor = apply(self.module, plan, profile, schedule=schedule, pool=self.pool, replan=self._replan)
+        self._install(state, profile, plan)
         split = plan.bytes_by_decision(profile)
-        held = (holds - 1) * split[Decision.KEEP]
-        rank_hw = self.share.limit(self.hw)
-        sim = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes - held, record=False)
-        ideal = keep_all_result(profile, self.hw).step_s
-        state.predicted_throughput = ideal / sim.step_s if sim.step_s else 1.0
-        state.predicted_step_s, state.predicted_peak = sim.step_s, sim.peak_bytes + held
         self.active_plan, self.last_stats = None, None
         if group.rank == 0:  # one line per stage
             log.info("slackswap stage %d (ranks %s): %d micro-batch(es) in flight; budget %s B of %s B keep-all "

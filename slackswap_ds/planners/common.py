@@ -24,7 +24,7 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -341,7 +341,7 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
     `holds` > 1 the other micro-batches' kept bytes count against the budget too."""
     best: tuple[float, Plan] | None = None
     overshoot = 0
-    held = (holds - 1) * sum(a.bytes for a in profile.activations if decisions[a.key] is Decision.KEEP)
+    held = held_bytes(profile, decisions, holds)
     rank_hw = share.limit(hw)
     draft = None
     if any(d is Decision.SWAP for d in decisions.values()):
@@ -376,6 +376,12 @@ def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardwa
     return plan
 
 
+def held_bytes(profile: StepProfile, decisions: Mapping[str, Decision], holds: int) -> int:
+    """What the other `holds` - 1 micro-batches a pipeline stage holds keep on the device while one
+    runs its backward: their kept bytes (module docstring)."""
+    return (holds - 1) * sum(a.bytes for a in profile.activations if decisions[a.key] is Decision.KEEP)
+
+
 def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = PRIVATE, holds: int = 1) -> Plan:
     """`plan` as it should run on `hw`, another device than it was made for: if its prefetches,
     timed for the planning hardware, push the peak on `hw` over the budget, they are timed for
@@ -384,7 +390,7 @@ def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = 
     `holds` micro-batches in flight, the others' kept bytes count against the budget too."""
     if not plan.prefetch:
         return plan
-    held = (holds - 1) * plan.bytes_by_decision(profile)[Decision.KEEP]
+    held = held_bytes(profile, plan.decision, holds)
     if simulate(lower(profile, plan), share.limit(hw), budget_bytes=plan.budget_bytes - held, record=False).feasible:
         return plan
     decisions = dict(plan.decision)

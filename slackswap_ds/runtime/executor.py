@@ -408,13 +408,13 @@ class Executor:
         with self._lock:
             if tag in self._micro_batches:
                 raise RuntimeError(f"micro-batch {tag!r} started twice before its backward")
-            self._detach_step()
+            self._close_step()
             self._step = self._micro_batches[tag] = self._new_step()
 
     def resume(self, tag) -> None:
         """The backward of micro-batch `tag` begins (its step is the current one)."""
         with self._lock:
-            self._detach_step()
+            self._close_step()
             self._step = self._micro_batches[tag]
 
     def finish(self, tag) -> None:
@@ -429,13 +429,8 @@ class Executor:
     def open_micro_batches(self) -> int:
         return len(self._micro_batches)
 
-    def _detach_step(self) -> None:
-        """Leave the current step: closed, unless it is a micro-batch's (which stays open)."""
-        if self._step is not None and self._step not in self._micro_batches.values():
-            self._close_step()
-        self._step = None
-
     def _close_step(self) -> None:
+        """Leave the current step: closed, unless it is a micro-batch's (which stays open)."""
         step = self._step
         if step is None:
             return
