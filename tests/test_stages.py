@@ -39,14 +39,20 @@ def launch(tmp: Path, ranks: int, enabled: bool) -> tuple[list[dict], str]:
     out.mkdir()
     cfg = tmp / f"{name}.json"
     cfg.write_text(json.dumps(config(ranks, enabled)))
+    text = deepspeed_run(ranks, [str(WORKER), "--config", str(cfg), "--out", str(out)])
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], text
+
+
+def deepspeed_run(ranks: int, argv: list[str]) -> str:
+    """`deepspeed --num_gpus ranks argv...` on CPU over loopback; its output (it must succeed)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_loopback_port()), str(WORKER), "--config", str(cfg), "--out", str(out)]
+           "--master_port", str(free_loopback_port()), *argv]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], text
+    return text
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-stages", "2-stages-x-2-dp"])
@@ -127,16 +133,10 @@ def test_launch_train_pipe_with_tensor_parallel_shards_is_exact(tmp_path):
         path, out = tmp_path / f"{enabled}.json", tmp_path / f"out{enabled}"
         path.write_text(json.dumps(cfg))
         out.mkdir()
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT)}
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "4", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_loopback_port()), str(ROOT / "launch" / "train_pipe.py"), "--stages", "2",
-               "--tp", "2", "--steps", "4", "--report", str(out), "--deepspeed_config", str(path)]
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        text = deepspeed_run(4, [str(ROOT / "launch" / "train_pipe.py"), "--stages", "2", "--tp", "2", "--steps", "4",
+                                 "--report", str(out), "--deepspeed_config", str(path)])
         reports[enabled] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
         if enabled:
-            text = proc.stdout + proc.stderr
             for stage in (0, 1):
                 budget = re.search(rf"stage {stage}: saved activations ([\d.]+) KiB .* budget ([\d.]+) KiB", text)
                 assert budget and float(budget.group(1)) <= float(budget.group(2)), text[-3000:]
