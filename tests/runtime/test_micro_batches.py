@@ -120,3 +120,24 @@ def test_a_micro_batch_started_twice_is_refused(setup):
             executor.start(0)
     del executor
     gc.collect()
+
+
+def test_soak_of_1f1b_batches_with_recompute_and_swap_leaves_memory_flat(setup):
+    """120 batches of 4 micro-batches (2 in flight) under a plan that swaps and recomputes: live
+    tensors equal and RSS flat between batch 40 and batch 119; nothing left on the device."""
+    from test_loops import _live_tensors, _rss
+
+    model, batches, prof = setup
+    plan = random_plan(prof, 2)
+    assert {Decision.SWAP, Decision.RECOMPUTE} <= set(plan.decision.values())
+    executor = ss.apply(model, plan, prof)
+    samples = []
+    for i in range(120):
+        run_schedule(model, batches, 2, executor)
+        if i in (40, 119):  # (the allocators settle first)
+            samples.append((_live_tensors(), _rss()))
+    (tensors_40, rss_40), (tensors_119, rss_119) = samples
+    assert tensors_119 == tensors_40
+    assert rss_119 - rss_40 < 4 << 20, (rss_40 >> 20, rss_119 >> 20)
+    assert executor.stats.last_step.ops_recomputed > 0 and executor._resident == 0
+    assert executor.open_micro_batches == 0
