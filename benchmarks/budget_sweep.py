@@ -1,10 +1,10 @@
 """Budget sweep: throughput (% of the keep-all ideal) of every planner at activation budgets
 0.2 ... 0.9 for BERT-Large, GPT-2 XL and Llama-7B on one A100 80GB (PCIe 4.0, private link).
 
-For each (workload, budget, planner): plan with the planner, lower the plan, simulate one step on
-the GPU and compare with the keep-all step (no memory limit). A planner that cannot meet the budget
+For each (workload, budget, planner): plan with the planner (which lowers its plan and simulates one
+step on the GPU: `Planned`) and compare with the keep-all step (no memory limit). A planner that cannot meet the budget
 (BudgetInfeasibleError) gives an infeasible row with the error message; such points are left out of
-the plot. The budget fraction is resolved by `slackswap_ds.planners.resolve_budget` (fraction of the
+the plot. The budget fraction is resolved by `slackswap_ds.budget.resolve_budget` (fraction of the
 keep-all activation bytes).
 
 Writes ``budget_sweep.json`` (a list of rows: workload, budget, hardware, planner, throughput_pct,
@@ -18,6 +18,7 @@ Progress (with elapsed time per point) goes to stderr, the table to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -30,9 +31,8 @@ from benchmarks._common import (PlannerTimeout, Timer, call_with_timeout, fmt_s,
                                 progress, table, write_json)
 from slackswap_ds.errors import BudgetInfeasibleError
 from slackswap_ds.hardware import load_hardware
-from slackswap_ds.plan import lower
-from slackswap_ds.planners import PLANNERS, keep_all_result, resolve_budget
-from slackswap_ds.simulator import simulate
+from slackswap_ds.planners import PLANNERS, keep_all_result
+from slackswap_ds.budget import resolve_budget
 from slackswap_ds.workloads import workload
 
 WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
@@ -73,14 +73,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def run_point(name: str, profile, hw, planner: str, budget: float, ideal_s: float,
               timeout: float | None = None) -> dict:
-    """Plan, lower and simulate one point; never raises for a planner failure (it is a row)."""
+    """Plan (and simulate) one point; never raises for a planner failure (it is a row)."""
     budget_bytes = resolve_budget(budget, profile)
     row = dict(workload=name, budget=budget, hardware=hw.name, planner=planner,
                throughput_pct=None, step_s=None, ideal_s=ideal_s, peak_bytes=None, budget_bytes=budget_bytes,
                feasible=False, error=None, plan_s=None)
     t = Timer()
     try:
-        plan = call_with_timeout(PLANNERS[planner], (profile, hw, budget_bytes), timeout=timeout)
+        planned = call_with_timeout(PLANNERS[planner], (profile, hw, budget_bytes), timeout=timeout)
     except BudgetInfeasibleError as e:
         row.update(error=f"BudgetInfeasibleError: {e}", plan_s=t.elapsed())
         return row
@@ -92,7 +92,7 @@ def run_point(name: str, profile, hw, planner: str, budget: float, ideal_s: floa
         progress(f"  WARNING: {planner} raised {type(e).__name__} (not a budget failure): {e}")
         return row
     row["plan_s"] = t.elapsed()
-    res = simulate(lower(profile, plan), hw, budget_bytes=budget_bytes, ideal_s=ideal_s, record=False)
+    res = dataclasses.replace(planned.result, ideal_s=ideal_s)  # the planner's own simulation of its plan
     row.update(throughput_pct=100.0 * res.throughput, step_s=res.step_s, peak_bytes=res.peak_bytes,
                feasible=bool(res.feasible))
     if not res.feasible:

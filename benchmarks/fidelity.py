@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slackswap_ds.hardware import load_hardware, load_node  # noqa: E402
 from slackswap_ds.pipeline import Job, simulate_job  # noqa: E402
 from slackswap_ds.plan import Kind, lower  # noqa: E402
-from slackswap_ds.planners import PLANNERS, resolve_budget  # noqa: E402
+from slackswap_ds.planners import PLANNERS  # noqa: E402
+from slackswap_ds.budget import resolve_budget  # noqa: E402
 from slackswap_ds.workloads import PRESETS, ModelSpec, Parallel, transformer_profile  # noqa: E402
 
 TARGET = 0.05
@@ -44,7 +45,7 @@ def layer_times(planner: str, sp: bool) -> tuple[float, float]:
     hw = load_hardware("a100-80g-pcie4")
     spec = dataclasses.replace(PRESETS["megatron-22b"], layers=3)
     p = transformer_profile(spec, hw, Parallel(8, sp))
-    plan = PLANNERS[planner](p, hw, resolve_budget(1.0, p))
+    plan = PLANNERS[planner](p, hw, resolve_budget(1.0, p)).plan
     region = {o.key: o.region for o in p.ops}
     fwd = bwd = 0.0
     for ins in lower(p, plan).instrs:

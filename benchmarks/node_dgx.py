@@ -38,7 +38,8 @@ from benchmarks._common import (PlannerTimeout, Timer, call_with_timeout, fmt_s,
 from slackswap_ds.errors import BudgetInfeasibleError
 from slackswap_ds.hardware import Node, load_node
 from slackswap_ds.plan import lower
-from slackswap_ds.planners import PLANNERS, PRIVATE, Share, keep_all_result, resolve_budget
+from slackswap_ds.planners import PLANNERS, PRIVATE, Share, keep_all_result
+from slackswap_ds.budget import resolve_budget
 from slackswap_ds.planners.optimal import solve_optimal
 from slackswap_ds.simulator import SimEvent, SimResult, simulate, simulate_node
 from slackswap_ds.workloads import workload
@@ -176,7 +177,7 @@ def plan_with_bound(planner: str, profile, hw, budget_bytes: int, share: Share):
     MILP solve for the optimal planner, else None. The MILP lowers its model budget and solves again
     when the simulator finds a plan over budget (a repair); the budget tells whether the bound is ours."""
     if planner != "optimal":
-        return PLANNERS[planner](profile, hw, budget_bytes, share=share), None
+        return PLANNERS[planner](profile, hw, budget_bytes, share=share).plan, None
     res = solve_optimal(profile, hw, budget_bytes, share)
     return res.plan, (res.last.objective_s, res.last.bound_s, res.last.model_budget_bytes)
 

@@ -35,7 +35,8 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from benchmarks._common import out_dir, progress, table, write_json
 from slackswap_ds.hardware import load_hardware
 from slackswap_ds.plan import lower
-from slackswap_ds.planners import PLANNERS, resolve_budget
+from slackswap_ds.planners import PLANNERS
+from slackswap_ds.budget import resolve_budget
 from slackswap_ds.simulator import simulate
 from slackswap_ds.workloads import workload
 
@@ -78,7 +79,7 @@ def time_plan(name: str, hw, budget: float, repeats: int) -> tuple[list[float], 
         budget_bytes = resolve_budget(budget, profile)
         gc.collect()  # start each sample without the garbage of the previous one (no debt carried)
         t0 = time.perf_counter()
-        plan = fn(profile, hw, budget_bytes)
+        plan = fn(profile, hw, budget_bytes).plan
         samples.append(time.perf_counter() - t0)
     return samples, profile, plan
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     progress("warm-up (untimed) ...")
     warm = workload("bert-large", hw)
-    wplan = PLANNERS[PLANNER](warm, hw, resolve_budget(args.budget, warm))
+    wplan = PLANNERS[PLANNER](warm, hw, resolve_budget(args.budget, warm)).plan
     simulate(lower(warm, wplan), hw, record=False)
 
     planned: dict[str, tuple[object, object]] = {}

@@ -18,10 +18,11 @@ def plan(profile: StepProfile, hardware: str | Hardware = "a100-80g-pcie4", budg
          planner: str = "slackswap", share=None) -> Plan:
     """A plan for `profile` on `hardware` (preset name, path or Hardware) within `budget` (a
     fraction of the keep-all peak, or bytes)."""
-    from .planners import PRIVATE, get_planner, resolve_budget
+    from .budget import resolve_budget
+    from .planners import PRIVATE, get_planner
 
     hw = load_hardware(hardware) if not isinstance(hardware, Hardware) else hardware
-    return get_planner(planner)(profile, hw, resolve_budget(budget, profile), share or PRIVATE)
+    return get_planner(planner)(profile, hw, resolve_budget(budget, profile), share or PRIVATE).plan
 
 
 def __getattr__(name: str):

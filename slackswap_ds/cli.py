@@ -18,6 +18,7 @@ one line ``slackswap: error: ...`` on stderr and exit with 2; no stack traces.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -25,13 +26,14 @@ import sys
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+from .budget import Budget
 from .errors import BudgetInfeasibleError, SlackSwapError
 from .hardware import Hardware, Node, load_hardware, load_node, preset_names
-from .plan import Decision, Plan, lower
-from .planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, refusal, resolve_budget
+from .plan import Decision, Plan
+from .planners import PLANNERS, PRIVATE, Planned, Share, get_planner, keep_all_result, refusal
 from .profile import StepProfile
 from .simulator import SimResult, simulate, simulate_node
 from .workloads import PRESETS, ModelSpec, Parallel, preset_spec, transformer_profile, workload_names
@@ -48,37 +50,13 @@ PAPER_THROUGHPUT_PCT = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}
 GB = 1e9
 
 
-# ---- budgets -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Budget:
-    """A budget as given: a fraction of the keep-all peak, or bytes."""
-
-    value: float | int
-    is_fraction: bool
-    text: str = field(default="", compare=False)
-
-    def resolve(self, profile: StepProfile) -> int:
-        return resolve_budget(self.value, profile) if self.is_fraction else int(self.value)
-
-    @property
-    def json_value(self) -> float | int:
-        return float(self.value) if self.is_fraction else int(self.value)
-
-    def __str__(self) -> str:
-        return f"{self.value * 100:g}%" if self.is_fraction else _gb(int(self.value))
-
-
+# ---- budgets ----------------------------------------------------------------------------------
 def parse_budget(text: str) -> Budget:
-    """``0.5`` / ``50%`` -> fraction; ``12GiB`` / ``16GB`` / ``8e9`` -> bytes; by the config's rules
-    (`config.parse_budget_value`), so that a budget means the same on the command line and in JSON:
-    a plain number in (0, 1] is a fraction, a larger one must be whole bytes (``1.5`` is refused)."""
-    from .config import parse_budget_value
-
+    """An argparse type: a budget by `budget.py`'s rules (the config's), or a usage error."""
     try:
-        value = parse_budget_value(str(text))
+        return Budget.parse(str(text))
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"invalid budget {text!r}: {e}") from None
-    return Budget(value, isinstance(value, float), text)
 
 
 def _positive_int(text: str) -> int:
@@ -167,13 +145,15 @@ class Target:
     def share(self) -> Share:
         return Share.of_node(self.node) if self.node else PRIVATE
 
-    def simulate(self, profile: StepProfile, plan: Plan, budget_bytes: int, ideal_s: float,
-                 record: bool) -> SimResult:
-        sch = lower(profile, plan)
+    def simulate(self, planned: Planned, budget_bytes: int, ideal_s: float, record: bool) -> SimResult:
+        """The planned step here: the planner's own simulation (one GPU), or, for a traced step
+        or a node of GPUs sharing their links, a simulation of its schedule."""
+        if self.node is None and not record:
+            return dataclasses.replace(planned.result, ideal_s=ideal_s)
         if self.node is None:
-            return simulate(sch, self.hw, budget_bytes=budget_bytes, ideal_s=ideal_s, record=record)
-        return simulate_node([sch] * self.node.gpus, self.node, budget_bytes=budget_bytes, ideal_s=ideal_s,
-                             record=record)
+            return simulate(planned.schedule, self.hw, budget_bytes=budget_bytes, ideal_s=ideal_s, record=record)
+        return simulate_node([planned.schedule] * self.node.gpus, self.node, budget_bytes=budget_bytes,
+                             ideal_s=ideal_s, record=record)
 
 
 def _load_target(hardware: str | None, node: str | None) -> Target:
@@ -208,8 +188,6 @@ class Workload:
 def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workload]:
     """The presets named by --workload (or `default` when neither --workload nor --model is given),
     then each --model config, every one with the shape overrides applied. Errors before any work."""
-    import dataclasses
-
     overrides = _overrides(args)
     given = getattr(args, "workload", None)
     names = _names([given] if isinstance(given, str) else given)
@@ -256,14 +234,15 @@ def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: in
     fn = get_planner(planner)
     try:
         with native_stdout_to_stderr():
-            plan = fn(profile, target.hw, budget_bytes, share=target.share)
+            planned = fn(profile, target.hw, budget_bytes, share=target.share)
     except BudgetInfeasibleError as e:
         return {"feasible": False, "status": "infeasible", "error": refusal(planner, e)}, None, None
     except Exception as e:  # a planner bug: report it in the row and on stderr, keep sweeping
         _internal_error(f"planner {planner!r}", e)
         return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, None, None
+    plan = planned.plan
     try:
-        res = target.simulate(profile, plan, budget_bytes, ideal_s, record)
+        res = target.simulate(planned, budget_bytes, ideal_s, record)
     except Exception as e:
         _internal_error(f"simulating the {planner!r} plan", e)
         return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, plan, None
@@ -368,7 +347,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         ka = keep_all_result(profile, target.hw)
         for bi, budget in enumerate(budgets):
             t0 = time.perf_counter()
-            budget_bytes = budget.resolve(profile)
+            budget_bytes = budget.of(profile.total_bytes)
             want_trace = bool(args.trace) and wi == 0 and bi == 0
             group: list[dict] = []
             for planner in planners:
@@ -550,10 +529,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     target = _load_target(args.hardware, args.node)
     profile = wl.profile(target.hw, _parallel(args))
     ka = keep_all_result(profile, target.hw)
-    budget_bytes = args.budget.resolve(profile)
+    budget_bytes = args.budget.of(profile.total_bytes)
     with native_stdout_to_stderr():
-        plan = get_planner(args.planner)(profile, target.hw, budget_bytes, share=target.share)
-    res = target.simulate(profile, plan, budget_bytes, ka.step_s, record=False)
+        planned = get_planner(args.planner)(profile, target.hw, budget_bytes, share=target.share)
+    plan = planned.plan
+    res = target.simulate(planned, budget_bytes, ka.step_s, record=False)
     if args.output == "-":
         sys.stdout.write(json.dumps(plan.to_json(), indent=1, sort_keys=True) + "\n")
         summary_out = sys.stderr

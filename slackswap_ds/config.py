@@ -16,17 +16,8 @@ the field (``slackswap.activation_budget``), what was found, and the fix. DeepSp
 top-level keys, so this validation is the user's only guard against typos: unknown keys are errors,
 with the closest valid name suggested.
 
-Budget semantics (the same as ``ss.plan`` and ``slackswap simulate``):
-
-- a number in (0, 1] is a fraction of the keep-all peak of saved activations (``0.5``; the integer
-  ``1`` is the fraction 1.0, the whole peak);
-- an integer > 1 is bytes (``12884901888``);
-- a string is a size: ``"12GiB"``, ``"512MiB"``, ``"8GB"``, ``"1.5e9"`` (KiB/MiB/GiB/TiB are powers of
-  two, KB/MB/GB/TB powers of ten, B or no unit is bytes), or a percentage ``"50%"``;
-- a float > 1 (``1.5``, or ``8e9`` which JSON reads as a float) is rejected: ``1.5`` is most likely a
-  mistaken fraction, and bytes must be whole. Write bytes as an integer or a quoted size string.
-
-Sizes (``host_pool_bytes_per_node``) follow the same rules without the fraction case.
+Budgets and sizes are read by `budget.py` (its docstring has the rules, the same for the config, the
+command line and the API).
 
 This module imports no torch; the planner registry is imported only when a planner name is checked.
 """
@@ -35,20 +26,19 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 import os
-import re
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from .budget import Budget, parse_budget_value, parse_optional_size
 from .errors import SlackSwapError
 from .hardware import load_hardware, load_node, preset_names
 
 SECTION = "slackswap"
 
-__all__ = ["SECTION", "ConfigError", "SlackSwapConfig", "field_table", "load_config", "parse_size"]
+__all__ = ["SECTION", "ConfigError", "SlackSwapConfig", "field_table", "load_config"]
 
 
 class ConfigError(SlackSwapError, ValueError):
@@ -62,98 +52,6 @@ class ConfigError(SlackSwapError, ValueError):
         n = len(self.problems)
         head = f'invalid "{SECTION}" config{where}: {n} problem{"s" if n != 1 else ""}'
         super().__init__(head + "".join(f"\n  {p}" for p in self.problems))
-
-
-# ---- sizes -------------------------------------------------------------------------------------
-UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_UNIT_NAMES = "B, KB, MB, GB, TB (powers of ten), KiB, MiB, GiB, TiB (powers of two)"
-_SIZE_RE = re.compile(r"^\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
-_SIZE_EXAMPLES = '"12GiB", "512MiB", "8GB" or "1.5e9"'
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size string: ``"12GiB"`` -> 12884901888, ``"8GB"`` -> 8000000000, ``"1.5e9"`` ->
-    1500000000, ``"4096"`` -> 4096. A size with a unit is rounded to the nearest byte; a plain number
-    must be whole. Raises ValueError saying what is wrong if `text` is not a positive size."""
-    m = _SIZE_RE.match(text) if isinstance(text, str) else None
-    if not m:
-        raise ValueError("not a size (a number and an optional unit)")
-    number, unit = float(m.group(1)), m.group(2)
-    if unit.lower() not in UNITS:
-        raise ValueError(f"unknown unit {unit!r} (units: {_UNIT_NAMES})")
-    if not math.isfinite(number) or number <= 0:
-        raise ValueError("a size must be positive")
-    if unit == "" and number != int(number):
-        raise ValueError(f"{number:g} is not a whole number of bytes")
-    n = int(round(number * UNITS[unit.lower()]))
-    if n < 1:
-        raise ValueError("less than one byte")
-    return n
-
-
-_BUDGET_FIX = f"Fix: a fraction of the keep-all peak in (0, 1] such as 0.5, or a size such as {_SIZE_EXAMPLES}"
-_SIZE_FIX = f"Fix: an integer number of bytes, a size such as {_SIZE_EXAMPLES}, or null for no limit"
-
-
-def parse_budget_value(v: Any) -> float | int:
-    """A budget: a fraction of the keep-all peak (float in (0, 1]) or bytes (int > 1), from a JSON
-    value or a string (see the module docstring). The one parser of budgets: the config and the
-    command line (`cli.parse_budget`) both use it. Raises ValueError("what is wrong. Fix: ...")."""
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"not a budget. {_BUDGET_FIX}")
-    if isinstance(v, str):
-        s = v.strip()
-        if s.endswith("%"):
-            try:
-                pct = float(s[:-1])
-            except ValueError:
-                pct = math.nan
-            if not (math.isfinite(pct) and 0 < pct <= 100):
-                raise ValueError('a percentage must be in (0%, 100%]. Fix: e.g. "50%", or 0.5')
-            return pct / 100
-        try:
-            plain = float(s)
-        except ValueError:
-            plain = None
-        if plain is not None and 0 < plain <= 1:
-            return float(plain)
-        try:
-            return parse_size(s)
-        except ValueError as e:
-            raise ValueError(f"{e}. {_BUDGET_FIX}") from None
-    if isinstance(v, float) and not math.isfinite(v):
-        raise ValueError(f"not a finite number. {_BUDGET_FIX}")
-    if v <= 0:
-        raise ValueError(f"the budget must be > 0. {_BUDGET_FIX}")
-    if v <= 1:
-        return float(v)  # 1 (int) is the fraction 1.0, the whole keep-all peak
-    if isinstance(v, float):
-        raise ValueError(
-            "a float > 1 is ambiguous (a mistaken fraction? bytes must be whole). Fix: for a fraction of "
-            'the keep-all peak use (0, 1] such as 0.5; for bytes an integer (12884901888) or a quoted size ("12GiB", "8e9")'
-        )
-    return int(v)
-
-
-def _parse_size_field(v: Any) -> int | None:
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise ValueError(f"not a size. {_SIZE_FIX}")
-    if isinstance(v, str):
-        try:
-            return parse_size(v)
-        except ValueError as e:
-            raise ValueError(f"{e}. {_SIZE_FIX}") from None
-    if isinstance(v, float):
-        raise ValueError(f"a float is not a size (bytes are whole; JSON reads 64e9 as a float). {_SIZE_FIX}")
-    if v <= 0:
-        raise ValueError(f"a size must be > 0. {_SIZE_FIX}")
-    return int(v)
 
 
 # ---- the model ---------------------------------------------------------------------------------
@@ -328,19 +226,9 @@ class SlackSwapConfig(BaseModel):
 
     # -- derived ------------------------------------------------------------------------------
     @property
-    def budget_is_fraction(self) -> bool:
-        """True if `activation_budget` is a fraction of the keep-all peak, False if it is bytes."""
-        return isinstance(self.activation_budget, float)
-
-    def budget_for(self, keep_all_peak_bytes: int) -> int:
-        """The budget in bytes for a step whose keep-all peak of saved activations is
-        `keep_all_peak_bytes`: int(fraction × peak) for a fraction (as `planners.resolve_budget`),
-        the bytes themselves otherwise."""
-        if isinstance(keep_all_peak_bytes, bool) or not isinstance(keep_all_peak_bytes, int) or keep_all_peak_bytes < 0:
-            raise ValueError(f"keep_all_peak_bytes must be a non-negative int, got {keep_all_peak_bytes!r}")
-        if self.budget_is_fraction:
-            return int(self.activation_budget * keep_all_peak_bytes)
-        return int(self.activation_budget)
+    def budget(self) -> Budget:
+        """`activation_budget` as a Budget (`budget.of(keep_all_bytes)` gives bytes)."""
+        return Budget(self.activation_budget)
 
     # -- validators (raise ValueError("what is wrong. Fix: what to write"); `_problems` adds the
     #    path and the value found) ------------------------------------------------------------------
@@ -352,7 +240,7 @@ class SlackSwapConfig(BaseModel):
     @field_validator("host_pool_bytes_per_node", mode="before")
     @classmethod
     def _host_pool(cls, v: Any) -> int | None:
-        return _parse_size_field(v)
+        return parse_optional_size(v)
 
     @field_validator("log_level", mode="before")
     @classmethod

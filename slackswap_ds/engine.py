@@ -349,7 +349,7 @@ class SlackSwapRuntime:
 
         channel = self._channel()
         rank = channel.rank
-        budget = self.cfg.budget_for(local.total_bytes)
+        budget = self.cfg.budget.of(local.total_bytes)
         self._coordinate(channel, local, budget, key)
         plan = None
         if rank == 0:
@@ -443,18 +443,18 @@ class SlackSwapRuntime:
         from .planners import get_planner
 
         try:
-            return get_planner(planner)(profile, self.hw, budget, self.plan_share, holds=self.holds)
+            return get_planner(planner)(profile, self.hw, budget, self.plan_share, holds=self.holds).plan
         except BudgetInfeasibleError as e:
             reasons, found = [_reason(planner, e)], []
         for other in _FALLBACK_PLANNERS:
             if other == planner:
                 continue
             try:
-                plan = get_planner(other)(profile, self.hw, budget, self.plan_share, holds=self.holds)
+                planned = get_planner(other)(profile, self.hw, budget, self.plan_share, holds=self.holds)
             except BudgetInfeasibleError as e:
                 reasons.append(_reason(other, e))
                 continue
-            found.append((simulate(lower(profile, plan), self.plan_share.limit(self.hw)).step_s, other, plan))
+            found.append((planned.result.step_s, other, planned.plan))
         if not found:
             raise BudgetInfeasibleError(f"no planner keeps this step's saved activations within {budget:,} B "
                                         f"(activation_budget {self.cfg.activation_budget}): " + "; ".join(reasons)
@@ -473,7 +473,10 @@ class SlackSwapRuntime:
 
         if Device.current().has_streams:
             return plan
-        fitted = fit_triggers(profile, plan, Hardware.instant_copies(), self.plan_share, holds=self.holds)
+        from .planners.common import Planned, held_bytes
+        planned = Planned(plan, lower(profile, plan), simulate(lower(profile, plan), self.plan_share.limit(self.hw)),
+                          held_bytes(profile, plan.decision, self.holds))
+        fitted = fit_triggers(profile, planned, self.hw, Hardware.instant_copies(), self.plan_share, holds=self.holds).plan
         if fitted is not plan:
             log.info("slackswap: copies are synchronous on this device; prefetches retimed so that the plan "
                      "stays within its budget here (%s -> %s)", plan.digest[:12], fitted.digest[:12])

@@ -39,11 +39,11 @@ import functools
 
 from dataclasses import dataclass, field
 
+from .budget import budget_bytes
 from .errors import ProfileError, SlackSwapError
 from .hardware import Node
-from .plan import Decision, Instr, Kind, Plan, Schedule, lower
+from .plan import Decision, Instr, Kind, Plan, Schedule
 from .planners import PRIVATE, Share, get_planner
-from .planners.common import budget_bytes
 from .profile import StepProfile
 from .simulator import SimResult, simulate
 from .workloads import ModelSpec, Parallel, region_params, transformer_profile
@@ -265,8 +265,10 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
     keep_all_bytes = k * profile.total_bytes
     stage_budget = keep_all_bytes if budget == float("inf") else budget_bytes(budget, keep_all_bytes)
     plan_holds = k if holds is None else holds  # (planners also split the pinned pool among them)
-    plan = get_planner(planner)(profile, hw, stage_budget, share=share, holds=plan_holds)
-    schedule = with_offload_traffic(lower(profile, plan), profile, traffic)
+    planned = get_planner(planner)(profile, hw, stage_budget, share=share, holds=plan_holds)
+    plan = planned.plan
+    # simulated again on purpose: with ZeRO-Offload's gradient copies, on the link as it is shared
+    schedule = with_offload_traffic(planned.schedule, profile, traffic)
     res = simulate(schedule, run_share.limit(hw), record=False)
     kept = plan.bytes_by_decision(profile)[Decision.KEEP]
     return StagePlan(stage, job.stage_layers(stage), k, profile, plan, res, stage_budget, keep_all_bytes, kept)

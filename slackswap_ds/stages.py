@@ -208,7 +208,7 @@ class StageRuntime(SlackSwapRuntime):
     def _plan_stage(self, state: _ShapeState, local: StepProfile, key: tuple, holds: int) -> None:
         self.holds = holds
         channel, timeout = self._channel(), self.cfg.sync_timeout_s
-        budget = self.cfg.budget_for(holds * local.total_bytes)  # of the stage's keep-all peak
+        budget = self.cfg.budget.of(holds * local.total_bytes)  # of the stage's keep-all peak
         self._coordinate(channel, local, budget, key, peers=self.members)
         group = self._group_channel()
         plan = None

@@ -78,7 +78,8 @@ def test_node_dgx_bound_comes_back_from_the_forked_planner_call():
     # the planner runs in a forked child (--planner-timeout): the bound must come back with the plan.
     # A small profile keeps the MILP fast.
     from benchmarks._common import call_with_timeout
-    from slackswap_ds.planners import PRIVATE, resolve_budget
+    from slackswap_ds.planners import PRIVATE
+    from slackswap_ds.budget import resolve_budget
     from slackswap_ds.workloads import workload
 
     node = load_node("dgx-a100")

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from slackswap_ds.config import FIELDS, ConfigError, SlackSwapConfig, field_table, load_config, parse_size
+from slackswap_ds.budget import parse_size
+from slackswap_ds.config import FIELDS, ConfigError, SlackSwapConfig, field_table, load_config
 from slackswap_ds.errors import SlackSwapError
 from slackswap_ds.hardware import preset_names
 from slackswap_ds.workloads import PRESETS
@@ -52,7 +53,7 @@ def test_shipped_config_loads(path):
     cfg = load_config(path)
     assert cfg == load_config(ds)
     assert cfg.enabled and cfg.hardware == "a100-80g-pcie4" and cfg.planner == "slackswap"
-    assert cfg.activation_budget == 0.5 and cfg.budget_is_fraction and cfg.profile_steps == 2
+    assert cfg.activation_budget == 0.5 and cfg.budget.is_fraction and cfg.profile_steps == 2
 
 
 def test_cpu_config_is_plain_fp32_stage0():
@@ -106,7 +107,7 @@ def test_full_section_normalised(tmp_path):
         "profile_steps": 3, "replan": "never", "host_pool_bytes_per_node": "64GB", "plan_file": "p.json",
         "sync": "mpi", "sync_timeout_s": 60, "trace_file": "t.json", "log_level": "DEBUG",
     }})
-    assert cfg.activation_budget == 12 * 2**30 and not cfg.budget_is_fraction
+    assert cfg.activation_budget == 12 * 2**30 and not cfg.budget.is_fraction
     assert cfg.hardware == str(HW_FILE.resolve())
     assert cfg.host_pool_bytes_per_node == 64 * 10**9
     assert cfg.sync_timeout_s == 60.0 and cfg.log_level == "debug" and cfg.replan == "never"
@@ -150,7 +151,7 @@ def test_parse_size_rejects(text):
 def test_budget_normalised(given, stored, fraction):
     cfg = load_config({"slackswap": {"activation_budget": given}})
     assert cfg.activation_budget == stored and type(cfg.activation_budget) is (float if fraction else int)
-    assert cfg.budget_is_fraction is fraction
+    assert cfg.budget.is_fraction is fraction
 
 
 @pytest.mark.parametrize("budget, peak, expected", [
@@ -162,25 +163,25 @@ def test_budget_normalised(given, stored, fraction):
     ("12GiB", 10**15, 12 * 2**30),            # bytes ignore the peak
     (12884901888, 1, 12884901888),
 ])
-def test_budget_for(budget, peak, expected):
-    assert load_config({"slackswap": {"activation_budget": budget}}).budget_for(peak) == expected
+def test_budget_of(budget, peak, expected):
+    assert load_config({"slackswap": {"activation_budget": budget}}).budget.of(peak) == expected
 
 
-def test_budget_for_agrees_with_resolve_budget():
-    from slackswap_ds.planners import resolve_budget
+def test_budget_of_agrees_with_resolve_budget():
+    from slackswap_ds.budget import resolve_budget
 
     class P:
         total_bytes = 123_456_789
 
     for b in (0.1, 0.37, 0.5, 1, 4096):
-        assert load_config({"slackswap": {"activation_budget": b}}).budget_for(P.total_bytes) == resolve_budget(b, P)
+        assert load_config({"slackswap": {"activation_budget": b}}).budget.of(P.total_bytes) == resolve_budget(b, P)
 
 
-def test_budget_for_rejects_bad_peak():
+def test_budget_of_rejects_bad_peak():
     cfg = SlackSwapConfig()
     for bad in (-1, 1.5, True, "10"):
         with pytest.raises(ValueError):
-            cfg.budget_for(bad)  # type: ignore[arg-type]
+            cfg.budget.of(bad)  # type: ignore[arg-type]
 
 
 # ---- one clear error per kind of mistake --------------------------------------------------------
@@ -358,7 +359,7 @@ def test_one_budget_parser_for_config_command_line_and_api(written, want):
     import argparse
 
     from slackswap_ds.cli import parse_budget
-    from slackswap_ds.planners import resolve_budget
+    from slackswap_ds.budget import resolve_budget
     from slackswap_ds.profile import Activation, Op, StepProfile
 
     profile = StepProfile("p", [Op("a:0", 1, 1, "a")], [Activation("a:x", 1000, (0,))])
@@ -371,7 +372,7 @@ def test_one_budget_parser_for_config_command_line_and_api(written, want):
             with pytest.raises(argparse.ArgumentTypeError):
                 parse_budget(written)
         return
-    assert load_config({"slackswap": {"activation_budget": written}}).budget_for(1000) == want
+    assert load_config({"slackswap": {"activation_budget": written}}).budget.of(1000) == want
     assert resolve_budget(written, profile) == want
     if isinstance(written, str):
-        assert parse_budget(written).resolve(profile) == want
+        assert parse_budget(written).of(profile.total_bytes) == want

@@ -182,7 +182,7 @@ def test_plans_for_micro_batches_in_flight_drop_in_the_last_region_too(planner):
     job = Job(SMALL, pp=4, micro_batches=8)
     profile = stage_profile(job, NODE.gpu, 0)
     budget = int(0.5 * 4 * profile.total_bytes)
-    plan = PLANNERS[planner](profile, NODE.gpu, budget, holds=4)
+    plan = PLANNERS[planner](profile, NODE.gpu, budget, holds=4).plan
     kept = plan.bytes_by_decision(profile)[Decision.KEEP]
     res = simulate(lower(profile, plan), NODE.gpu)
     assert 3 * kept + res.peak_bytes <= budget

@@ -142,11 +142,12 @@ def test_over_budget_is_reported_infeasible():
 
 
 def test_same_schedule_gives_identical_events(a100):
-    from slackswap_ds.planners import PLANNERS, resolve_budget
+    from slackswap_ds.planners import PLANNERS
+    from slackswap_ds.budget import resolve_budget
     from slackswap_ds.workloads import workload
 
     p = workload("bert-large", a100, micro_batch=2, seq=128)
-    plan = PLANNERS["slackswap"](p, a100, resolve_budget(0.5, p))
+    plan = PLANNERS["slackswap"](p, a100, resolve_budget(0.5, p)).plan
     first = simulate(lower(p, plan), a100)
     assert simulate(lower(p, plan), a100).events == first.events
 
@@ -178,13 +179,14 @@ def test_zero_offsets_give_the_same_result_as_none():
 
 def test_zero_offsets_give_the_same_result_on_a_dgx(a100):
     from slackswap_ds.hardware import load_node
-    from slackswap_ds.planners import PLANNERS, Share, resolve_budget
+    from slackswap_ds.planners import PLANNERS, Share
+    from slackswap_ds.budget import resolve_budget
     from slackswap_ds.workloads import workload
 
     node = load_node("dgx-a100")
     p = workload("bert-large", node.gpu, micro_batch=2, seq=128)
     budget = resolve_budget(0.5, p)
-    sch = lower(p, PLANNERS["slackswap"](p, node.gpu, budget, share=Share.of_node(node)))
+    sch = lower(p, PLANNERS["slackswap"](p, node.gpu, budget, share=Share.of_node(node)).plan)
     base = simulate_node([sch] * node.gpus, node, budget_bytes=budget, ideal_s=1.0)
     zero = simulate_node([sch] * node.gpus, node, budget_bytes=budget, ideal_s=1.0, start_s=[0.0] * node.gpus)
     assert zero == base and zero.events == base.events and zero.memory == base.memory

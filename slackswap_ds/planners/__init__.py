@@ -1,12 +1,12 @@
-"""Planners. All share one signature: ``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Plan``
-(`holds`: micro-batches a pipeline stage holds at once under 1F1B; see planners.common)."""
+"""Planners. All share one signature: ``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Planned``
+(`holds`: micro-batches a pipeline stage holds at once under 1F1B; `Planned`: the plan with its one
+lowering and simulation; see planners.common)."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from ..errors import UnknownNameError
-from ..plan import Plan
 from .baselines import (
     plan_full_recompute,
     plan_keep_all,
@@ -14,11 +14,11 @@ from .baselines import (
     plan_offload_all,
     plan_recompute_knapsack,
 )
-from .common import PRIVATE, Share, keep_all_result, refusal, resolve_budget
+from .common import PRIVATE, Planned, Share, keep_all_result, refusal
 from .optimal import plan_optimal
 from .slackswap import plan_slackswap
 
-PlannerFn = Callable[..., Plan]
+PlannerFn = Callable[..., Planned]
 
 PLANNERS: dict[str, PlannerFn] = {
     "slackswap": plan_slackswap,
@@ -38,4 +38,4 @@ def get_planner(name: str) -> PlannerFn:
         raise UnknownNameError("planner", name, list(PLANNERS)) from None
 
 
-__all__ = ["PLANNERS", "PRIVATE", "Share", "get_planner", "keep_all_result", "refusal", "resolve_budget"]
+__all__ = ["PLANNERS", "PRIVATE", "Planned", "Share", "get_planner", "keep_all_result", "refusal"]

@@ -1,5 +1,5 @@
 """The plans users would otherwise run, on the same signature as ours:
-``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Plan``.
+``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Planned``.
 
 Each refuses (BudgetInfeasibleError) rather than emit a plan the simulator finds over budget.
 """
@@ -11,7 +11,7 @@ from ..hardware import Hardware
 from ..plan import Decision, Plan, lower
 from ..profile import StepProfile
 from ..simulator import simulate
-from .common import PRIVATE, RegionModel, Share, alap_triggers, finalize, keep_all
+from .common import PRIVATE, Planned, RegionModel, Share, alap_triggers, finalize, keep_all
 from .milp import solve_region_milp
 
 # Ops that make up the attention core (scores, softmax, attention dropout), by op-name suffix, and the
@@ -31,13 +31,13 @@ def _op_name(profile: StepProfile, i: int) -> str:
     return profile.ops[i].key.rsplit(":", 1)[-1]
 
 
-def plan_keep_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
+def plan_keep_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Planned:
     """Keep every activation (the ideal when memory is unlimited)."""
     return finalize(profile, keep_all(profile), hw=hw, budget_bytes=budget_bytes, share=share, planner="keep-all",
                     holds=holds)
 
 
-def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
+def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Planned:
     """DeepSpeed / torch per-layer checkpointing: keep each layer's input, and in backward re-run the
     layer's whole forward (every op, also those whose outputs no backward reads, such as the last
     matmul and residual add: `Plan.replay`)."""
@@ -51,7 +51,7 @@ def plan_full_recompute(profile: StepProfile, hw: Hardware, budget_bytes: int, s
                     replay=replay, holds=holds)
 
 
-def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
+def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Planned:
     """Megatron selective recompute (Korthikanti et al.): checkpoint the core attention, i.e. drop the
     tensors only the attention core makes (scores, softmax, dropout) and in backward re-run the core,
     the probs x V matmul included (`Plan.replay`)."""
@@ -66,7 +66,7 @@ def plan_megatron_selective(profile: StepProfile, hw: Hardware, budget_bytes: in
                     replay=replay, holds=holds)
 
 
-def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
+def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Planned:
     """Offload every saved tensor (torch save_on_cpu / torchtune OffloadActivations): forward waits
     for each copy-out so device memory stays bounded; backward prefetches as late as possible. It
     keeps nothing, so micro-batches in flight (`holds`) add nothing on the device, but each pins
@@ -80,14 +80,15 @@ def plan_offload_all(profile: StepProfile, hw: Hardware, budget_bytes: int, shar
     triggers = alap_triggers(profile, dec, hw, share)
     plan = Plan.build(profile, dec, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner="offload-all",
                       prefetch=triggers, blocking=True)
-    res = simulate(lower(profile, plan), share.limit(hw), budget_bytes=budget_bytes, record=False)
+    schedule = lower(profile, plan)
+    res = simulate(schedule, share.limit(hw), budget_bytes=budget_bytes, record=False)
     if not res.feasible:
         raise BudgetInfeasibleError(f"offload-all peaks at {res.peak_bytes:,} B, over the budget of {budget_bytes:,} B")
-    return plan
+    return Planned(plan, schedule, res)
 
 
-def plan_recompute_knapsack(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Plan:
+def plan_recompute_knapsack(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE, holds: int = 1) -> Planned:
     """torch.compile's activation memory budget: an exact knapsack over recomputation only (no
     offload) minimising recompute time, solved as a MILP over the region memory model."""
     model = RegionModel(profile, hw, share, holds)
-    return solve_region_milp(model, budget_bytes, allow_swap=False, planner="recompute-knapsack").plan
+    return solve_region_milp(model, budget_bytes, allow_swap=False, planner="recompute-knapsack").planned

@@ -1,5 +1,6 @@
 """What every planner shares: the rank's link share, the region memory model, prefetch triggers,
-and the final check that a plan is feasible in the simulator.
+and the final check that a plan is feasible in the simulator, whose result travels with the plan
+(`Planned`: nobody lowers or simulates the chosen plan again).
 
 Region memory model (used by the planners to reason fast; the simulator has the last word).
 Backward visits regions in reverse. When region r's backward starts, every byte of r is resident
@@ -23,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -127,11 +129,42 @@ def keep_all(profile: StepProfile) -> dict[str, Decision]:
     return {a.key: Decision.KEEP for a in profile.activations}
 
 
+@dataclass(frozen=True)
+class Planned:
+    """A planner's answer: the plan, its one lowering and its one simulation, on the hardware it
+    was planned for at the planner's link share (`share.limit(hw)`), with `held_bytes` (what the
+    other micro-batches a pipeline stage holds keep) counted against the budget. Whoever installs,
+    reports or compares the plan takes these from here: a plan is lowered and simulated once."""
+
+    plan: Plan
+    schedule: Schedule
+    result: SimResult
+    held_bytes: int = 0
+
+    @property
+    def peak_bytes(self) -> int:
+        """The simulated peak of device-resident saved bytes, the held micro-batches' included."""
+        return self.result.peak_bytes + self.held_bytes
+
+
+_KEEP_ALL_CACHE: "OrderedDict[tuple[str, str], SimResult]" = OrderedDict()
+_KEEP_ALL_CACHE_SIZE = 64
+
+
 def keep_all_result(profile: StepProfile, hw: Hardware) -> SimResult:
-    """The ideal step: everything kept, no memory limit."""
+    """The ideal step: everything kept, no memory limit. Simulated once per (profile, hardware):
+    the result is remembered for the last few profiles (a pure function of both digests)."""
+    key = (profile.digest, hw.digest)
+    found = _KEEP_ALL_CACHE.get(key)
+    if found is not None:
+        _KEEP_ALL_CACHE.move_to_end(key)
+        return found
     plan = Plan.build(profile, keep_all(profile), budget_bytes=0, hardware_digest=hw.digest, planner="keep-all")
     res = simulate(lower(profile, plan), hw, record=False)
-    return SimResult(**{**res.__dict__, "ideal_s": res.step_s})
+    found = _KEEP_ALL_CACHE[key] = SimResult(**{**res.__dict__, "ideal_s": res.step_s})
+    if len(_KEEP_ALL_CACHE) > _KEEP_ALL_CACHE_SIZE:
+        _KEEP_ALL_CACHE.popitem(last=False)
+    return found
 
 
 def refusal(planner: str, error: Exception) -> str:
@@ -139,25 +172,6 @@ def refusal(planner: str, error: Exception) -> str:
     callers put it where their own format wants it)."""
     text = str(error)
     return text[len(planner) + 2:] if text.startswith(f"{planner}: ") else text
-
-
-def resolve_budget(budget: float | int | str, profile: StepProfile) -> int:
-    """The budget in bytes for `profile` (`budget_bytes` of its keep-all peak)."""
-    return budget_bytes(budget, profile.total_bytes)
-
-
-def budget_bytes(budget: float | int | str, keep_all_bytes: int) -> int:
-    """The budget in bytes, read by the one budget parser (`config.parse_budget_value`, as the
-    config and the command line read it): a number in (0, 1] or a percentage is that fraction of
-    `keep_all_bytes`; a larger whole number or a size ("12GiB") is bytes."""
-    from ..config import parse_budget_value
-
-    try:
-        value = parse_budget_value(budget)
-    except ValueError as e:
-        raise ValueError(f"budget must be a fraction in (0, 1] or a positive number of bytes, got {budget!r}: {e}") \
-            from None
-    return int(value * keep_all_bytes) if isinstance(value, float) else int(value)
 
 
 class RegionModel:
@@ -315,17 +329,17 @@ MAX_REPAIRS = 8
 
 
 def repair(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, planner: str,
-           decide: Callable[[int], dict[str, Decision]], version: str = "1", holds: int = 1) -> Plan:
+           decide: Callable[[int], dict[str, Decision]], version: str = "1", holds: int = 1) -> Planned:
     """The repair loop every model-based planner runs: `decide(target)` gives decisions whose region
     model peak meets `target` (or raises BudgetInfeasibleError); the simulator has the last word.
     When it finds the best-triggered plan over budget (copy latency, transients the model does not
     see), the target is lowered by the overshoot and `decide` asked again, up to MAX_REPAIRS times."""
     target = budget_bytes
     for _ in range(MAX_REPAIRS):
-        plan, overshoot = best_triggers(profile, decide(target), hw=hw, budget_bytes=budget_bytes, share=share,
-                                        planner=planner, version=version, holds=holds)
-        if plan is not None:
-            return plan
+        planned, overshoot = best_triggers(profile, decide(target), hw=hw, budget_bytes=budget_bytes, share=share,
+                                           planner=planner, version=version, holds=holds)
+        if planned is not None:
+            return planned
         target -= overshoot
     raise BudgetInfeasibleError(f"{planner}: no plan within {budget_bytes:,} B after {MAX_REPAIRS} repairs")
 
@@ -335,11 +349,11 @@ LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when prefe
 
 def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
                   share: Share, planner: str, version: str = "1",
-                  replay: tuple[str, ...] = (), holds: int = 1) -> tuple[Plan | None, int]:
+                  replay: tuple[str, ...] = (), holds: int = 1) -> tuple[Planned | None, int]:
     """The fastest feasible plan over the prefetch margins in LEADS (stopping at the first that
     does not stall compute), or (None, overshoot in bytes of the latest margin tried). With
     `holds` > 1 the other micro-batches' kept bytes count against the budget too."""
-    best: tuple[float, Plan] | None = None
+    best: Planned | None = None
     overshoot = 0
     held = held_bytes(profile, decisions, holds)
     rank_hw = share.limit(hw)
@@ -355,25 +369,25 @@ def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: H
         if not res.feasible:
             overshoot = overshoot or res.peak_bytes + held - budget_bytes
             continue
-        if best is None or res.step_s < best[0]:
-            best = (res.step_s, plan)
+        if best is None or res.step_s < best.result.step_s:
+            best = Planned(plan, schedule, res, held)
         if res.stall_s["compute"] <= 1e-9 * res.step_s:
             break
-    return (best[1], 0) if best else (None, overshoot)
+    return (best, 0) if best else (None, overshoot)
 
 
 def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
              share: Share, planner: str, version: str = "1", replay: tuple[str, ...] = (),
-             holds: int = 1) -> Plan:
+             holds: int = 1) -> Planned:
     """The best-triggered plan for fixed decisions; BudgetInfeasibleError if the simulator finds it
     over budget."""
-    plan, overshoot = best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share,
-                                    planner=planner, version=version, replay=replay, holds=holds)
-    if plan is None:
+    planned, overshoot = best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share,
+                                       planner=planner, version=version, replay=replay, holds=holds)
+    if planned is None:
         raise BudgetInfeasibleError(
             f"{planner}: its plan peaks at {budget_bytes + overshoot:,} B, over the budget of {budget_bytes:,} B"
         )
-    return plan
+    return planned
 
 
 def held_bytes(profile: StepProfile, decisions: Mapping[str, Decision], holds: int) -> int:
@@ -382,17 +396,23 @@ def held_bytes(profile: StepProfile, decisions: Mapping[str, Decision], holds: i
     return (holds - 1) * sum(a.bytes for a in profile.activations if decisions[a.key] is Decision.KEEP)
 
 
-def fit_triggers(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = PRIVATE, holds: int = 1) -> Plan:
-    """`plan` as it should run on `hw`, another device than it was made for: if its prefetches,
-    timed for the planning hardware, push the peak on `hw` over the budget, they are timed for
-    `hw` instead (same decisions; on `Hardware.instant_copies()`, the synchronous CPU path, each
-    copy-in then starts just before backward needs it). Returns `plan` itself if it fits. With
-    `holds` micro-batches in flight, the others' kept bytes count against the budget too."""
+def fit_triggers(profile: StepProfile, planned: Planned, hw: Hardware, device: Hardware, share: Share = PRIVATE,
+                 holds: int = 1) -> Planned:
+    """`planned` as it should run on `device`, another device than the `hw` it was planned for:
+    if its prefetches, timed for `hw`, push the peak on `device` over the budget, they are timed
+    for `device` instead (same decisions; on `Hardware.instant_copies()`, the synchronous CPU path,
+    each copy-in then starts just before backward needs it), and the retimed plan is simulated on
+    `hw` like any plan. Returns `planned` itself if it fits. With `holds` micro-batches in flight,
+    the others' kept bytes count against the budget too."""
+    plan = planned.plan
     if not plan.prefetch:
-        return plan
-    held = held_bytes(profile, plan.decision, holds)
-    if simulate(lower(profile, plan), share.limit(hw), budget_bytes=plan.budget_bytes - held, record=False).feasible:
-        return plan
+        return planned
+    budget_left = plan.budget_bytes - planned.held_bytes
+    if simulate(planned.schedule, share.limit(device), budget_bytes=budget_left, record=False).feasible:
+        return planned
     decisions = dict(plan.decision)
     draft = draft_schedule(profile, decisions, plan.replay)
-    return plan.rebuilt(profile, prefetch=alap_triggers(profile, decisions, hw, share, draft=draft))
+    fitted = plan.rebuilt(profile, prefetch=alap_triggers(profile, decisions, device, share, draft=draft))
+    schedule = retrigger(draft, profile, fitted)
+    return Planned(fitted, schedule, simulate(schedule, share.limit(hw), budget_bytes=budget_left, record=False),
+                   planned.held_bytes)

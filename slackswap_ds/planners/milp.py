@@ -27,7 +27,7 @@ from scipy.sparse import coo_matrix
 
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
-from .common import RegionModel, release, repair
+from .common import Planned, RegionModel, release, repair
 
 @dataclass(frozen=True)
 class MilpOptions:
@@ -58,8 +58,12 @@ class MilpSolve:
 
 @dataclass(frozen=True)
 class MilpResult:
-    plan: Plan
-    solves: tuple[MilpSolve, ...]  # in order; the last one made `plan`
+    planned: Planned
+    solves: tuple[MilpSolve, ...]  # in order; the last one made the plan
+
+    @property
+    def plan(self) -> Plan:
+        return self.planned.plan
 
     @property
     def last(self) -> MilpSolve:
@@ -76,8 +80,8 @@ def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool
         solves.append(solve)
         return release(model, dec, target)
 
-    plan = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, holds=model.holds)
-    return MilpResult(plan, tuple(solves))
+    planned = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, holds=model.holds)
+    return MilpResult(planned, tuple(solves))
 
 
 def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptions,

@@ -4,9 +4,8 @@ solved exactly by HiGHS; an upper bound for any planner that plans within the sa
 from __future__ import annotations
 
 from ..hardware import Hardware
-from ..plan import Plan
 from ..profile import StepProfile
-from .common import PRIVATE, RegionModel, Share
+from .common import PRIVATE, Planned, RegionModel, Share
 from .milp import MilpOptions, MilpResult, solve_region_milp
 
 
@@ -18,5 +17,5 @@ def solve_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: 
 
 
 def plan_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
-                 holds: int = 1) -> Plan:
-    return solve_optimal(profile, hw, budget_bytes, share, holds=holds).plan
+                 holds: int = 1) -> Planned:
+    return solve_optimal(profile, hw, budget_bytes, share, holds=holds).planned

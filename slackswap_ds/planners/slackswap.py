@@ -27,15 +27,15 @@ import numpy as np
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
-from ..plan import Decision, Plan
+from ..plan import Decision
 from ..profile import StepProfile
-from .common import PRIVATE, RegionModel, Share, keep_all, region_peaks, release, repair
+from .common import PRIVATE, Planned, RegionModel, Share, keep_all, region_peaks, release, repair
 
 NAME, VERSION = "slackswap", "2"
 
 
 def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
-                   holds: int = 1) -> Plan:
+                   holds: int = 1) -> Planned:
     model = RegionModel(profile, hw, share, holds)
     state = _State(model)
 

@@ -1033,7 +1033,7 @@ def replan_without(profile: StepProfile, plan: Plan, failures: dict[str, str]) -
                  plan.planner)
         return swap_instead(profile, plan, failures)
     pinned = profile.without_recompute(failures)
-    return pinned, planner(pinned, hw, plan.budget_bytes, PRIVATE)
+    return pinned, planner(pinned, hw, plan.budget_bytes, PRIVATE).plan
 
 
 def swap_instead(profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:

@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from slackswap_ds.errors import BudgetInfeasibleError, UnknownNameError
 from slackswap_ds.plan import Decision, lower
-from slackswap_ds.planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result, resolve_budget
+from slackswap_ds.planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result
+from slackswap_ds.budget import resolve_budget
 from slackswap_ds.profile import Activation, Op, StepProfile
 from slackswap_ds.simulator import simulate
 from slackswap_ds.workloads import workload
@@ -47,7 +48,7 @@ def test_every_emitted_plan_is_feasible(p, frac, d2h, name):
     hw = toy_hardware(d2h=d2h, h2d=d2h, duplex_d2h=d2h, duplex_h2d=d2h / 2, latency=0.01)
     budget = max(1, resolve_budget(frac, p))
     try:
-        plan = get_planner(name)(p, hw, budget)
+        plan = get_planner(name)(p, hw, budget).plan
     except BudgetInfeasibleError:
         return
     plan.check(p)
@@ -61,7 +62,7 @@ def test_every_planner_emits_a_plan_when_everything_fits(p, d2h, name):
     """The other side of the test above: a planner that always refused would pass it."""
     hw = toy_hardware(d2h=d2h, h2d=d2h, duplex_d2h=d2h, duplex_h2d=d2h / 2, latency=0.01)
     budget = resolve_budget(1.0, p)  # the keep-all peak: keep-all itself fits
-    plan = get_planner(name)(p, hw, budget)
+    plan = get_planner(name)(p, hw, budget).plan
     assert simulate(lower(p, plan), hw, budget_bytes=budget).peak_bytes <= budget
 
 
@@ -77,7 +78,7 @@ def small_bert(a100):
 
 def test_full_recompute_keeps_only_layer_inputs(small_bert, a100):
     p = small_bert
-    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p))
+    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p)).plan
     for a in p.activations:
         in_layer = p.region_of(a).startswith("layers.")
         expected = Decision.RECOMPUTE if in_layer and a.recomputable else Decision.KEEP
@@ -86,7 +87,7 @@ def test_full_recompute_keeps_only_layer_inputs(small_bert, a100):
 
 def test_megatron_recomputes_exactly_the_attention_core(small_bert, a100):
     p = small_bert
-    plan = PLANNERS["megatron-selective"](p, a100, resolve_budget(0.9, p))
+    plan = PLANNERS["megatron-selective"](p, a100, resolve_budget(0.9, p)).plan
     recomputed = {a.layer_class for a in p.activations if plan.decision[a.key] is Decision.RECOMPUTE}
     assert recomputed == {"layers.*.attn:softmax.out", "layers.*.attn:attn_dropout.mask",
                           "layers.*.attn:attn_dropout.out"}
@@ -94,22 +95,22 @@ def test_megatron_recomputes_exactly_the_attention_core(small_bert, a100):
 
 def test_offload_all_swaps_everything_and_blocks(small_bert, a100):
     p = small_bert
-    plan = PLANNERS["offload-all"](p, a100, resolve_budget(0.5, p))
+    plan = PLANNERS["offload-all"](p, a100, resolve_budget(0.5, p)).plan
     assert set(plan.decision.values()) == {Decision.SWAP} and plan.blocking
 
 
 def test_keep_all_refuses_a_budget_below_its_peak(small_bert, a100):
     with pytest.raises(BudgetInfeasibleError, match="over the budget"):
-        PLANNERS["keep-all"](small_bert, a100, resolve_budget(0.9, small_bert))
+        PLANNERS["keep-all"](small_bert, a100, resolve_budget(0.9, small_bert)).plan
 
 
 def test_host_pool_limits_swaps(small_bert, a100):
     p = small_bert
     budget = resolve_budget(0.5, p)
-    plan = PLANNERS["slackswap"](p, a100, budget, Share(host_pool_bytes=0))
+    plan = PLANNERS["slackswap"](p, a100, budget, Share(host_pool_bytes=0)).plan
     assert Decision.SWAP not in plan.decision.values()
     with pytest.raises(BudgetInfeasibleError, match="host pool"):
-        PLANNERS["offload-all"](p, a100, budget, Share(host_pool_bytes=1))
+        PLANNERS["offload-all"](p, a100, budget, Share(host_pool_bytes=1)).plan
 
 
 def test_budget_resolution():
@@ -130,7 +131,7 @@ def test_slackswap_beats_baselines_and_is_near_optimal(a100, name, overrides):
     for planner in ("slackswap", "optimal", "full-recompute", "megatron-selective", "offload-all",
                     "recompute-knapsack"):
         try:
-            plan = PLANNERS[planner](p, a100, budget, PRIVATE)
+            plan = PLANNERS[planner](p, a100, budget, PRIVATE).plan
         except BudgetInfeasibleError:
             continue
         res = simulate(lower(p, plan), a100, budget_bytes=budget, ideal_s=ideal, record=False)
@@ -150,7 +151,7 @@ def test_full_recompute_replays_whole_layers_as_deepspeed_does(a100):
     # Llama has no dropout: no saved tensor needs the down projection or the residual add re-run, but
     # a checkpointed block re-runs its whole forward, so the baseline pays for every layer op.
     p = workload("llama-7b", a100, layers=3, micro_batch=1, seq=256)
-    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p))
+    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p)).plan
     layer_fwd = sum(o.fwd_s for o in p.ops if o.region.startswith("layers."))
     assert _recompute_s(p, plan) == pytest.approx(layer_fwd, rel=1e-12)
     assert any(k.endswith(":down") for k in plan.replay) and any(k.endswith(":add") for k in plan.replay)
@@ -160,7 +161,7 @@ def test_full_recompute_replays_whole_layers_as_deepspeed_does(a100):
 
 def test_megatron_selective_replays_the_attention_over_v_matmul(small_bert, a100):
     p = small_bert
-    plan = PLANNERS["megatron-selective"](p, a100, resolve_budget(0.9, p))
+    plan = PLANNERS["megatron-selective"](p, a100, resolve_budget(0.9, p)).plan
     core = [o for o in p.ops if o.key.rsplit(":", 1)[-1] in ("scores", "softmax", "attn_dropout", "av")]
     assert {o.key for o in core} == set(plan.replay)
     assert _recompute_s(p, plan) == pytest.approx(sum(o.fwd_s for o in core), rel=1e-12)
@@ -171,9 +172,9 @@ def test_a_plan_without_replay_keeps_its_json_and_one_with_it_round_trips(small_
     from slackswap_ds.plan import Plan
 
     p = small_bert
-    plain = PLANNERS["slackswap"](p, a100, resolve_budget(0.5, p))
+    plain = PLANNERS["slackswap"](p, a100, resolve_budget(0.5, p)).plan
     assert "replay" not in plain.to_json()
-    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p))
+    plan = PLANNERS["full-recompute"](p, a100, resolve_budget(0.5, p)).plan
     back = Plan.from_json(plan.to_json())
     assert back == plan and back.digest == plan.digest and back.replay
     with pytest.raises(PlanError, match="replay names 1 op"):
@@ -243,8 +244,9 @@ def test_prefetches_retimed_for_synchronous_copies_count_the_micro_batches_held(
 
     prof = workload("gpt2-xl", a100)
     budget = int(0.5 * holds * prof.total_bytes)
-    plan = PLANNERS["slackswap"](prof, a100, budget, holds=holds)
-    fitted = fit_triggers(prof, plan, Hardware.instant_copies(), holds=holds)
-    held = (holds - 1) * fitted.bytes_by_decision(prof)[Decision.KEEP]
-    assert fitted.decision == plan.decision
-    assert simulate(lower(prof, fitted), Hardware.instant_copies()).peak_bytes + held <= budget
+    planned = PLANNERS["slackswap"](prof, a100, budget, holds=holds)
+    fitted = fit_triggers(prof, planned, a100, Hardware.instant_copies(), holds=holds)
+    held = (holds - 1) * fitted.plan.bytes_by_decision(prof)[Decision.KEEP]
+    assert fitted.plan.decision == planned.plan.decision and fitted.held_bytes == held
+    assert fitted.schedule == lower(prof, fitted.plan)  # the retimed plan's one lowering
+    assert simulate(fitted.schedule, Hardware.instant_copies()).peak_bytes + held <= budget

@@ -4,7 +4,8 @@ import pytest
 import torch
 from torch import nn
 
-from slackswap_ds.planners import PLANNERS, resolve_budget
+from slackswap_ds.planners import PLANNERS
+from slackswap_ds.budget import resolve_budget
 from slackswap_ds.plan import lower
 from slackswap_ds.runtime.naming import is_gap
 from slackswap_ds.runtime.profiler import ProfileSession, profile_step
@@ -126,7 +127,7 @@ def test_tensor_saved_twice_is_one_activation_with_two_users():
 def test_measured_profile_can_be_planned_and_simulated(a100):
     profile = profile_step(tiny("gpt2"), lm_step, torch.randint(1, 128, (2, 16)), warmup=0)
     budget = resolve_budget(0.5, profile)
-    plan = PLANNERS["slackswap"](profile, a100, budget)
+    plan = PLANNERS["slackswap"](profile, a100, budget).plan
     res = simulate(lower(profile, plan), a100, budget_bytes=budget)
     assert res.feasible and res.step_s > 0
 

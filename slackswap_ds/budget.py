@@ -1,0 +1,168 @@
+"""Activation budgets and byte sizes: the one place they are read and turned into bytes.
+
+A budget bounds the device bytes of saved activations at any instant (DESIGN.md's contract). It is
+written the same way in the DeepSpeed config, on the command line and in the Python API:
+
+- a number in (0, 1] is a fraction of the keep-all peak of saved activations (``0.5``; the integer
+  ``1`` is the fraction 1.0, the whole peak), and so is a percentage (``"50%"``);
+- an integer > 1 is bytes (``12884901888``);
+- a string is a size: ``"12GiB"``, ``"512MiB"``, ``"8GB"``, ``"1.5e9"`` (KiB/MiB/GiB/TiB are powers of
+  two, KB/MB/GB/TB powers of ten, B or no unit is bytes);
+- a float > 1 (``1.5``, or ``8e9``, which JSON reads as a float) is refused: ``1.5`` is most likely a
+  mistaken fraction, and bytes are whole. Write bytes as an integer or a quoted size string.
+
+A fraction becomes bytes as ``int(fraction * keep_all_bytes)`` (`Budget.of`). Sizes (the host pool)
+follow the same rules without the fraction case. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+UNIT_NAMES = "B, KB, MB, GB, TB (powers of ten), KiB, MiB, GiB, TiB (powers of two)"
+SIZE_EXAMPLES = '"12GiB", "512MiB", "8GB" or "1.5e9"'
+BUDGET_FIX = f"Fix: a fraction of the keep-all peak in (0, 1] such as 0.5, or a size such as {SIZE_EXAMPLES}"
+SIZE_FIX = f"Fix: an integer number of bytes, a size such as {SIZE_EXAMPLES}, or null for no limit"
+
+_SIZE_PATTERN = re.compile(r"^\s*([+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z%]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size string: ``"12GiB"`` -> 12884901888, ``"8GB"`` -> 8000000000, ``"1.5e9"`` ->
+    1500000000, ``"4096"`` -> 4096. A size with a unit is rounded to the nearest byte; a plain number
+    must be whole. Raises ValueError saying what is wrong if `text` is not a positive size."""
+    match = _SIZE_PATTERN.match(text) if isinstance(text, str) else None
+    if not match:
+        raise ValueError("not a size (a number and an optional unit)")
+    number, unit = float(match.group(1)), match.group(2)
+    if unit.lower() not in UNITS:
+        raise ValueError(f"unknown unit {unit!r} (units: {UNIT_NAMES})")
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError("a size must be positive")
+    if unit == "" and number != int(number):
+        raise ValueError(f"{number:g} is not a whole number of bytes")
+    n = int(round(number * UNITS[unit.lower()]))
+    if n < 1:
+        raise ValueError("less than one byte")
+    return n
+
+
+def parse_optional_size(value: Any) -> int | None:
+    """A size from a JSON value: integer bytes, a size string, or None (no limit). Raises
+    ValueError("what is wrong. Fix: ...")."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"not a size. {SIZE_FIX}")
+    if isinstance(value, str):
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"{e}. {SIZE_FIX}") from None
+    if isinstance(value, float):
+        raise ValueError(f"a float is not a size (bytes are whole; JSON reads 64e9 as a float). {SIZE_FIX}")
+    if value <= 0:
+        raise ValueError(f"a size must be > 0. {SIZE_FIX}")
+    return int(value)
+
+
+def _parse_percentage(text: str) -> float:
+    try:
+        percent = float(text[:-1])
+    except ValueError:
+        percent = math.nan
+    if not (math.isfinite(percent) and 0 < percent <= 100):
+        raise ValueError('a percentage must be in (0%, 100%]. Fix: e.g. "50%", or 0.5')
+    return percent / 100
+
+
+def parse_budget_value(value: Any) -> float | int:
+    """A budget from a JSON value or a string: a fraction of the keep-all peak (a float in (0, 1])
+    or bytes (an int > 1), by the rules of the module docstring. Raises ValueError("what is
+    wrong. Fix: ...")."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"not a budget. {BUDGET_FIX}")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.endswith("%"):
+            return _parse_percentage(text)
+        try:
+            plain = float(text)
+        except ValueError:
+            plain = None
+        if plain is not None and 0 < plain <= 1:
+            return float(plain)
+        try:
+            return parse_size(text)
+        except ValueError as e:
+            raise ValueError(f"{e}. {BUDGET_FIX}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"not a finite number. {BUDGET_FIX}")
+    if value <= 0:
+        raise ValueError(f"the budget must be > 0. {BUDGET_FIX}")
+    if value <= 1:
+        return float(value)  # 1 (int) is the fraction 1.0, the whole keep-all peak
+    if isinstance(value, float):
+        raise ValueError(
+            "a float > 1 is ambiguous (a mistaken fraction? bytes must be whole). Fix: for a fraction of "
+            'the keep-all peak use (0, 1] such as 0.5; for bytes an integer (12884901888) or a quoted size ("12GiB", "8e9")'
+        )
+    return int(value)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A parsed budget: `value` is a fraction of the keep-all peak (float) or bytes (int); `text`
+    is how it was written (for messages)."""
+
+    value: float | int
+    text: str = field(default="", compare=False)
+
+    @classmethod
+    def parse(cls, written: Any) -> "Budget":
+        """`written` by the rules of the module docstring; ValueError says what is wrong."""
+        return cls(parse_budget_value(written), str(written))
+
+    @property
+    def is_fraction(self) -> bool:
+        return isinstance(self.value, float)
+
+    def of(self, keep_all_bytes: int) -> int:
+        """The budget in bytes for a step whose keep-all peak of saved activations is `keep_all_bytes`."""
+        if isinstance(keep_all_bytes, bool) or not isinstance(keep_all_bytes, int) or keep_all_bytes < 0:
+            raise ValueError(f"keep_all_bytes must be a non-negative int, got {keep_all_bytes!r}")
+        return int(self.value * keep_all_bytes) if self.is_fraction else int(self.value)
+
+    @property
+    def json_value(self) -> float | int:
+        return float(self.value) if self.is_fraction else int(self.value)
+
+    def __str__(self) -> str:
+        return f"{self.value * 100:g}%" if self.is_fraction else f"{int(self.value) / 1e9:.2f} GB"
+
+
+def budget_bytes(budget: float | int | str | Budget, keep_all_bytes: int) -> int:
+    """`budget` (as written, or parsed) in bytes for a keep-all peak of `keep_all_bytes`."""
+    if not isinstance(budget, Budget):
+        try:
+            budget = Budget.parse(budget)
+        except ValueError as e:
+            raise ValueError(f"budget must be a fraction in (0, 1] or a positive number of bytes, got {budget!r}: "
+                             f"{e}") from None
+    return budget.of(keep_all_bytes)
+
+
+def resolve_budget(budget: float | int | str | Budget, profile) -> int:
+    """The budget in bytes for `profile` (a StepProfile: a fraction is of its keep-all bytes)."""
+    return budget_bytes(budget, profile.total_bytes)
+
+
+__all__ = ["Budget", "budget_bytes", "parse_budget_value", "parse_optional_size", "parse_size", "resolve_budget"]
