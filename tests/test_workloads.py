@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slackswap_ds.errors import ProfileError, UnknownNameError
+from slackswap_ds.errors import InvalidFileError, ProfileError, UnknownNameError
 from slackswap_ds.hardware import load_hardware
 from slackswap_ds.profile import StepProfile
 from slackswap_ds.workloads import (
@@ -21,9 +21,12 @@ from slackswap_ds.workloads import (
     ModelSpec,
     layer_activation_bytes,
     layer_forward_flops,
+    load_workload_file,
+    preset_spec,
     transformer_profile,
     workload,
     workload_names,
+    workloads_dir,
 )
 
 HW = load_hardware("a100-80g-pcie4")
@@ -62,6 +65,63 @@ def test_presets_exist_and_cite_sources():
     assert "llm-foundry" in PRESETS["llama-7b"].source
     l70 = PRESETS["llama-70b"]
     assert (l70.layers, l70.hidden, l70.heads, l70.kv_heads, l70.ffn) == (80, 8192, 64, 8, 28672)
+
+
+def test_every_preset_file_spells_out_every_field():
+    fields = {f.name for f in dataclasses.fields(ModelSpec)}
+    files = sorted(workloads_dir().glob("*.json"))
+    assert [p.stem for p in files] == workload_names()
+    for path in files:
+        data = json.loads(path.read_text())
+        assert set(data) == fields | {"format"}, path.name
+        assert load_workload_file(path) == PRESETS[path.stem]
+
+
+def _preset_folder(tmp_path, monkeypatch, **changes):
+    """A copy of the gpt2-xl preset file in a folder of its own, with `changes` (None drops a field)."""
+    data = json.loads((workloads_dir() / "gpt2-xl.json").read_text())
+    data.update(changes)
+    data = {k: v for k, v in data.items() if v is not None}
+    (tmp_path / "gpt2-xl.json").write_text(json.dumps(data))
+    monkeypatch.setenv("SLACKSWAP_WORKLOADS_DIR", str(tmp_path))
+    return tmp_path / "gpt2-xl.json"
+
+
+def test_presets_come_from_the_workloads_folder(tmp_path, monkeypatch):
+    _preset_folder(tmp_path, monkeypatch, seq=256)
+    assert workload_names() == ["gpt2-xl"]
+    assert preset_spec("gpt2-xl").seq == 256
+    monkeypatch.delenv("SLACKSWAP_WORKLOADS_DIR")
+    assert preset_spec("gpt2-xl").seq == 1024
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"heads": 24}, "hidden (1600) must be divisible by heads (24)"),
+    ({"layers": None, "colour": "red"}, "missing field(s) ['layers']"),
+    ({"colour": "red"}, "unknown field(s) ['colour']"),
+    ({"name": "gpt2"}, "\"name\" is 'gpt2'"),
+    ({"format": "slackswap.hardware/1"}, "expected a JSON object with \"format\": \"slackswap.workload/1\""),
+    ({"dropout": "0.1"}, "dropout must be a probability"),
+])
+def test_a_malformed_preset_file_is_named(tmp_path, monkeypatch, changes, message):
+    path = _preset_folder(tmp_path, monkeypatch, **changes)
+    with pytest.raises(InvalidFileError) as e:
+        workload_names()
+    assert str(path) in str(e.value) and message in str(e.value)
+
+
+def test_a_preset_file_that_is_not_json_is_named(tmp_path, monkeypatch):
+    path = _preset_folder(tmp_path, monkeypatch)
+    path.write_text("{ not json")
+    with pytest.raises(InvalidFileError, match="is not valid JSON") as e:
+        preset_spec("gpt2-xl")
+    assert str(path) in str(e.value)
+
+
+def test_a_missing_presets_folder_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLACKSWAP_WORKLOADS_DIR", str(tmp_path / "nowhere"))
+    with pytest.raises(InvalidFileError, match="SLACKSWAP_WORKLOADS_DIR"):
+        workload_names()
 
 
 # ---- exact saved bytes -------------------------------------------------------------------------
