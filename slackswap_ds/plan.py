@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import InvalidFileError, PlanError
-from .profile import StepProfile
+from .profile import Activation, StepProfile
 
 PLAN_FORMAT = "slackswap.plan/1"
 END_OF_FORWARD = ""  # prefetch trigger meaning "as soon as backward starts"
@@ -279,90 +279,119 @@ class Schedule:
 
 def lower(profile: StepProfile, plan: Plan) -> Schedule:
     """The Schedule that executes `plan` on `profile` (protocol in the module docstring)."""
-    dec = plan.decision
-    ops = profile.ops
-    acts = profile.activations
-    instrs: list[Instr] = []
+    steps = _Lowering(profile, plan)
+    fwd_id, copy_out_id = steps.forward()
+    recompute_ops, completes_at = steps.recompute_work()
+    copy_in_order, copy_in_id = steps.copy_in_ids(recompute_ops)
+    bwd_id = steps.backward(recompute_ops, completes_at, copy_in_id)
+    steps.copy_ins(copy_in_order, copy_out_id, fwd_id, bwd_id)
+    return Schedule(tuple(steps.instrs), {a.key: a.bytes for a in profile.activations}, plan)
 
-    def emit(ins: Instr) -> int:
-        instrs.append(ins)
-        return len(instrs) - 1
 
-    saved_at: dict[int, list[str]] = {}
-    freed_after: dict[int, list[str]] = {}
-    for a in acts:
-        if dec[a.key] is not Decision.RECOMPUTE:
-            saved_at.setdefault(a.saved_at, []).append(a.key)
-        freed_after.setdefault(a.freed_after, []).append(a.key)
+class _Lowering:
+    """`lower`'s steps, in the order they emit instructions: forward and copy-outs, then backward
+    with its recomputes, then copy-ins. A wait names an instruction by its index, so the copy-ins'
+    indices are worked out before backward, which waits on them, is emitted."""
 
-    swapped = [a for a in acts if dec[a.key] is Decision.SWAP]
-    out_order = sorted(swapped, key=lambda a: a.saved_at)
-    copy_out_id = {a.key: len(ops) + j for j, a in enumerate(out_order)}
-    # A blocking plan makes FWD(i) wait for the copy-outs of what op i-1 saved.
-    fwd_waits: dict[int, list[int]] = {}
-    if plan.blocking:
+    def __init__(self, profile: StepProfile, plan: Plan) -> None:
+        self.profile, self.plan, self.decision = profile, plan, plan.decision
+        self.instrs: list[Instr] = []
+        self.swapped = [a for a in profile.activations if self.decision[a.key] is Decision.SWAP]
+        self.op_index = {o.key: i for i, o in enumerate(profile.ops)}
+        self.first_copy_in = -1  # set by copy_in_ids
+
+    def emit(self, ins: Instr) -> int:
+        self.instrs.append(ins)
+        return len(self.instrs) - 1
+
+    def forward(self) -> tuple[list[int], dict[str, int]]:
+        """FWD of every op, then the copy-outs. Returns (FWD index per op, COPY_OUT index per key)."""
+        ops = self.profile.ops
+        saved_at: dict[int, list[str]] = {}
+        for a in self.profile.activations:
+            if self.decision[a.key] is not Decision.RECOMPUTE:
+                saved_at.setdefault(a.saved_at, []).append(a.key)
+        out_order = sorted(self.swapped, key=lambda a: a.saved_at)
+        copy_out_id = {a.key: len(ops) + j for j, a in enumerate(out_order)}
+        # A blocking plan makes FWD(i) wait for the copy-outs of what op i-1 saved.
+        fwd_waits: dict[int, list[int]] = {}
+        if self.plan.blocking:
+            for a in out_order:
+                fwd_waits.setdefault(a.saved_at + 1, []).append(copy_out_id[a.key])
+        fwd_id = [
+            self.emit(Instr("compute", Kind.FWD, o.key, o.fwd_s, waits=tuple(fwd_waits.get(i, ())),
+                            alloc_end=tuple(saved_at.get(i, ()))))
+            for i, o in enumerate(ops)
+        ]
         for a in out_order:
-            fwd_waits.setdefault(a.saved_at + 1, []).append(copy_out_id[a.key])
-    fwd_id = [
-        emit(Instr("compute", Kind.FWD, o.key, o.fwd_s, waits=tuple(fwd_waits.get(i, ())),
-                   alloc_end=tuple(saved_at.get(i, ()))))
-        for i, o in enumerate(ops)
-    ]
-    for a in out_order:
-        emit(
-            Instr("d2h", Kind.COPY_OUT, a.key, nbytes=a.bytes, waits=(fwd_id[a.saved_at],), free_end=(a.key,))
-        )
+            self.emit(Instr("d2h", Kind.COPY_OUT, a.key, nbytes=a.bytes, waits=(fwd_id[a.saved_at],),
+                            free_end=(a.key,)))
+        return fwd_id, copy_out_id
 
-    # Recompute work per region: the union of producers of its RECOMPUTE activations.
-    last_op = profile.region_last_op
-    rec_ops: dict[str, set[int]] = {}
-    completes_at: dict[int, list[str]] = {}
-    for a in acts:
-        if dec[a.key] is Decision.RECOMPUTE:
-            rec_ops.setdefault(profile.region_of(a), set()).update(a.producers)
-            completes_at.setdefault(max(a.producers), []).append(a.key)
-    op_index = {o.key: i for i, o in enumerate(ops)}
-    for key in plan.replay:
-        i = op_index[key]
-        rec_ops.setdefault(ops[i].region, set()).add(i)
+    def recompute_work(self) -> tuple[dict[str, set[int]], dict[int, list[str]]]:
+        """Per region, the ops its recompute re-runs: the producers of its RECOMPUTE activations and
+        the ops the plan replays. Returns (those ops per region, the keys each op's recompute completes)."""
+        profile = self.profile
+        recompute_ops: dict[str, set[int]] = {}
+        completes_at: dict[int, list[str]] = {}
+        for a in profile.activations:
+            if self.decision[a.key] is Decision.RECOMPUTE:
+                recompute_ops.setdefault(profile.region_of(a), set()).update(a.producers)
+                completes_at.setdefault(max(a.producers), []).append(a.key)
+        for key in self.plan.replay:
+            i = self.op_index[key]
+            recompute_ops.setdefault(profile.ops[i].region, set()).add(i)
+        return recompute_ops, completes_at
 
-    # Copy-ins are placed after the compute instructions; their ids are known in advance.
-    need = {a.key: need_op(profile, plan, a.key) for a in swapped}
-    in_order = sorted(swapped, key=lambda a: (-need[a.key], a.saved_at, a.key))
-    n_backward = len(ops) + sum(len(s) for s in rec_ops.values())
-    first_in = len(instrs) + n_backward
-    copy_in_id = {a.key: first_in + j for j, a in enumerate(in_order)}
+    def copy_in_ids(self, recompute_ops: dict[str, set[int]]) -> tuple[list[Activation], dict[str, int]]:
+        """The copy-ins in the order backward needs them, and the index each will have: after every
+        compute instruction (one BWD per op and one RECOMPUTE per re-run op)."""
+        need = {a.key: need_op(self.profile, self.plan, a.key) for a in self.swapped}
+        in_order = sorted(self.swapped, key=lambda a: (-need[a.key], a.saved_at, a.key))
+        n_backward = len(self.profile.ops) + sum(len(s) for s in recompute_ops.values())
+        self.first_copy_in = len(self.instrs) + n_backward
+        return in_order, {a.key: self.first_copy_in + j for j, a in enumerate(in_order)}
 
-    # Which copy-ins each recompute op / backward op must wait for.
-    rec_waits: dict[int, set[str]] = {}
-    for a in acts:
-        if dec[a.key] is Decision.RECOMPUTE:
-            for d in a.deps:
-                if dec[d] is Decision.SWAP:
-                    rec_waits.setdefault(min(a.producers), set()).add(d)
-    bwd_waits: dict[int, list[str]] = {}
-    for a in swapped:
-        bwd_waits.setdefault(a.first_read, []).append(a.key)
+    def backward(self, recompute_ops: dict[str, set[int]], completes_at: dict[int, list[str]],
+                 copy_in_id: dict[str, int]) -> dict[int, int]:
+        """BWD of every op in reverse, each region's recomputes before its first backward op; each
+        waits for the copy-ins of the swapped tensors it reads. Returns the BWD index per op."""
+        ops, decision = self.profile.ops, self.decision
+        freed_after: dict[int, list[str]] = {}
+        recompute_waits: dict[int, set[str]] = {}
+        for a in self.profile.activations:
+            freed_after.setdefault(a.freed_after, []).append(a.key)
+            if decision[a.key] is Decision.RECOMPUTE:
+                for d in a.deps:
+                    if decision[d] is Decision.SWAP:
+                        recompute_waits.setdefault(min(a.producers), set()).add(d)
+        bwd_waits: dict[int, list[str]] = {}
+        for a in self.swapped:
+            bwd_waits.setdefault(a.first_read, []).append(a.key)
 
-    bwd_id: dict[int, int] = {}
-    for i in range(len(ops) - 1, -1, -1):
-        region = ops[i].region
-        if last_op[region] == i:
-            for j in sorted(rec_ops.get(region, ())):
-                waits = tuple(sorted(copy_in_id[k] for k in rec_waits.get(j, ())))
-                emit(Instr("compute", Kind.RECOMPUTE, ops[j].key, ops[j].fwd_s, waits=waits,
-                           alloc_end=tuple(completes_at.get(j, ()))))
-        waits = tuple(sorted(copy_in_id[k] for k in bwd_waits.get(i, ())))
-        bwd_id[i] = emit(Instr("compute", Kind.BWD, ops[i].key, ops[i].bwd_s, waits=waits,
-                               free_end=tuple(freed_after.get(i, ()))))
-    assert len(instrs) == first_in, "compute instruction count mismatch"
+        last_op = self.profile.region_last_op
+        bwd_id: dict[int, int] = {}
+        for i in range(len(ops) - 1, -1, -1):
+            region = ops[i].region
+            if last_op[region] == i:
+                for j in sorted(recompute_ops.get(region, ())):
+                    waits = tuple(sorted(copy_in_id[k] for k in recompute_waits.get(j, ())))
+                    self.emit(Instr("compute", Kind.RECOMPUTE, ops[j].key, ops[j].fwd_s, waits=waits,
+                                    alloc_end=tuple(completes_at.get(j, ()))))
+            waits = tuple(sorted(copy_in_id[k] for k in bwd_waits.get(i, ())))
+            bwd_id[i] = self.emit(Instr("compute", Kind.BWD, ops[i].key, ops[i].bwd_s, waits=waits,
+                                        free_end=tuple(freed_after.get(i, ()))))
+        assert len(self.instrs) == self.first_copy_in, "compute instruction count mismatch"
+        return bwd_id
 
-    for a in in_order:
-        trig = plan.trigger[a.key]
-        trig_id = fwd_id[-1] if trig == END_OF_FORWARD else bwd_id[op_index[trig]]
-        emit(Instr("h2d", Kind.COPY_IN, a.key, nbytes=a.bytes, waits=(copy_out_id[a.key], trig_id),
-                   alloc_start=(a.key,)))
-    return Schedule(tuple(instrs), {a.key: a.bytes for a in acts}, plan)
+    def copy_ins(self, in_order: list[Activation], copy_out_id: dict[str, int], fwd_id: list[int],
+                 bwd_id: dict[int, int]) -> None:
+        """Each copy-in waits for its own copy-out and for its trigger."""
+        for a in in_order:
+            trig = self.plan.trigger[a.key]
+            trig_id = fwd_id[-1] if trig == END_OF_FORWARD else bwd_id[self.op_index[trig]]
+            self.emit(Instr("h2d", Kind.COPY_IN, a.key, nbytes=a.bytes, waits=(copy_out_id[a.key], trig_id),
+                            alloc_start=(a.key,)))
 
 
 def retrigger(schedule: Schedule, profile: StepProfile, plan: Plan) -> Schedule:
