@@ -86,127 +86,17 @@ def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool
 
 def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptions,
            planner: str) -> tuple[dict[str, Decision], MilpSolve]:
-    profile = model.profile
-    acts = profile.activations
-    nreg = len(model.regions)
-    col: dict[tuple[str, object], int] = {}
-
-    def var(kind: str, key: object) -> int:
-        return col.setdefault((kind, key), len(col))
-
-    region = [model.region_of[a.key] for a in acts]
-    # the last region to run forward has no copy window before its backward needs it
-    swappable = [allow_swap and region[i] < nreg - 1 for i in range(len(acts))]
-    for i, a in enumerate(acts):
-        if swappable[i]:
-            var("s", a.key)
-        if a.recomputable:
-            var("r", a.key)
-            for p in a.producers:
-                var("u", p)
-    n_binary = len(col)
-    cost = np.zeros(n_binary)
-    for (kind, key), j in col.items():
-        if kind == "u":
-            cost[j] = profile.ops[key].fwd_s
-
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    row = 0
-
-    def add(coefs: dict[int, float], lower: float, upper: float) -> None:
-        nonlocal row
-        for j, v in coefs.items():
-            rows.append(row)
-            cols.append(j)
-            vals.append(v)
-        lo.append(lower)
-        hi.append(upper)
-        row += 1
-
-    for i, a in enumerate(acts):
-        if swappable[i] and a.recomputable:
-            add({col["s", a.key]: 1, col["r", a.key]: 1}, -np.inf, 1)
-        if a.recomputable:
-            for p in a.producers:
-                add({col["u", p]: 1, col["r", a.key]: -1}, 0, np.inf)
-
-    by_region: list[list[int]] = [[] for _ in range(nreg)]
-    for i in range(len(acts)):
-        by_region[region[i]].append(i)
-
-    def terms(r: int, kinds: tuple[str, ...], weight) -> dict[int, float]:
-        out: dict[int, float] = {}
-        for i in by_region[r]:
-            for kind in kinds:
-                if (kind, acts[i].key) in col:
-                    out[col[kind, acts[i].key]] = weight(acts[i])
-        return out
-
-    # Sparse form (dense prefix sums make HiGHS slow): continuous D[r] = bytes dropped in regions < r.
-    #   D[r] = D[r-1] + dropped(r-1);  kept0(<r) - D[r] + bytes(r) + swapped(r-1) <= budget
-    D = [var("D", r) for r in range(nreg)]
-    # Micro-batches in flight (holds > 1) keep their kept bytes: (holds-1) * (total - all dropped),
-    # with all dropped = D[nreg-1] + dropped in the last region.
-    held = model.holds - 1
-    if held:
-        everything = var("D", nreg)
-        row_ = {everything: 1.0, D[nreg - 1]: -1.0}
-        for j, v in terms(nreg - 1, ("s", "r"), lambda a: -a.bytes).items():
-            row_[j] = v
-        add(row_, 0, 0)
-    total = sum(model.bytes)
-    below = 0
-    for r in range(nreg):
-        if r:
-            row_ = {D[r]: 1.0, D[r - 1]: -1.0}
-            for j, v in terms(r - 1, ("s", "r"), lambda a: -a.bytes).items():
-                row_[j] = v
-            add(row_, 0, 0)
-            mem = {D[r]: -1.0, **terms(r - 1, ("s",), lambda a: a.bytes)}
-        else:
-            add({D[0]: 1.0}, 0, 0)
-            mem = {D[0]: -1.0}
-        if held:
-            mem[everything] = mem.get(everything, 0.0) - held
-        add(mem, -np.inf, budget - below - model.bytes[r] - held * total)
-        below += model.bytes[r]
-
+    # The families are added in this order on purpose: columns and rows reach HiGHS in the order
+    # they are created, and a different order may tie-break to a different optimum.
+    milp_model = _MilpModel(model, allow_swap)
+    milp_model.decision_variables()
+    milp_model.choice_rows()
+    milp_model.memory_rows(budget)
     if allow_swap:
-        # D2H queue, at op granularity: a tensor saved by op i is released at the start of op i+1.
-        # Backlog Q[b] >= Q[b-1] + released(b) - fwd(op b), Q >= 0, Q[n] = 0 (drained when forward
-        # ends); equivalent to "for every k, copies released from op k on fit under ops k..".
-        nops = len(profile.ops)
-        released: list[dict[int, float]] = [{} for _ in range(nops + 1)]
-        for a in acts:
-            if ("s", a.key) in col:
-                released[a.saved_at + 1][col["s", a.key]] = -model.copy_s(a.bytes, model.d2h_bps)
-        Q = [var("Q", b) for b in range(nops + 1)]
-        for b in range(nops + 1):
-            window = profile.ops[b].fwd_s if b < nops else 0.0
-            row_ = {Q[b]: 1.0, **released[b]}
-            if b:
-                row_[Q[b - 1]] = -1.0
-            add(row_, -window, np.inf)
-        add({Q[-1]: 1.0}, -np.inf, 0)
-        for r in range(nreg - 1):
-            back = terms(r, ("s",), lambda a: model.copy_s(a.bytes, model.h2d_bps))
-            if back:
-                for (kind, key), j in col.items():
-                    if kind == "u" and model.index[profile.ops[key].region] == r + 1:
-                        back[j] = back.get(j, 0.0) - profile.ops[key].fwd_s
-                add(back, -np.inf, model.bwd_s[r + 1])
-        if model.share.host_pool_bytes is not None:
-            pool = {col["s", a.key]: a.bytes for a in acts if ("s", a.key) in col}
-            if pool:
-                add(pool, -np.inf, model.share.host_pool_bytes // model.holds)  # each micro-batch in flight pins its own
-
-    n = len(col)
-    cost = np.concatenate([cost, np.zeros(n - n_binary)])
-    integrality = np.r_[np.ones(n_binary), np.zeros(n - n_binary)]
-    upper = np.r_[np.ones(n_binary), np.full(n - n_binary, np.inf)]
-    A = coo_matrix((vals, (rows, cols)), shape=(row, n)).tocsr()
-    res = milp(cost, constraints=LinearConstraint(A, lo, hi), integrality=integrality, bounds=Bounds(0, upper),
-               options={"time_limit": options.time_limit_s, "disp": False, "mip_rel_gap": options.mip_rel_gap})
+        milp_model.d2h_queue_rows()
+        milp_model.h2d_rows()
+        milp_model.host_pool_row()
+    res = milp_model.solve(options)
     bound = getattr(res, "mip_dual_bound", None)
     solve = MilpSolve(float(res.fun) if res.x is not None else math.nan,
                       math.nan if bound is None else float(bound), budget, str(res.message))
@@ -214,13 +104,168 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
         raise BudgetInfeasibleError(
             f"{planner}: no plan can keep the estimated peak within {budget:,} B ({res.message})"
         )
-    x = np.round(res.x).astype(int)
-    dec = {}
-    for a in acts:
-        if ("s", a.key) in col and x[col["s", a.key]]:
-            dec[a.key] = Decision.SWAP
-        elif ("r", a.key) in col and x[col["r", a.key]]:
-            dec[a.key] = Decision.RECOMPUTE
-        else:
-            dec[a.key] = Decision.KEEP
-    return dec, solve
+    return milp_model.decode(res.x), solve
+
+
+class _MilpModel:
+    """The MILP of one solve (the formulation in the module docstring), one constraint family per
+    method, as a sparse matrix in coordinate form."""
+
+    def __init__(self, model: RegionModel, allow_swap: bool) -> None:
+        self.model, self.profile = model, model.profile
+        self.acts = model.profile.activations
+        self.nreg = len(model.regions)
+        self.col: dict[tuple[str, object], int] = {}  # (kind, key) -> column
+        self.n_binary = 0
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lo: list[float] = []
+        self.hi: list[float] = []
+        self.region = [model.region_of[a.key] for a in self.acts]
+        # the last region to run forward has no copy window before its backward needs it
+        self.swappable = [allow_swap and self.region[i] < self.nreg - 1 for i in range(len(self.acts))]
+        self.by_region: list[list[int]] = [[] for _ in range(self.nreg)]
+        for i in range(len(self.acts)):
+            self.by_region[self.region[i]].append(i)
+
+    def var(self, kind: str, key: object) -> int:
+        return self.col.setdefault((kind, key), len(self.col))
+
+    def add(self, coefs: dict[int, float], lower: float, upper: float) -> None:
+        row = len(self.lo)
+        for j, v in coefs.items():
+            self.rows.append(row)
+            self.cols.append(j)
+            self.vals.append(v)
+        self.lo.append(lower)
+        self.hi.append(upper)
+
+    def terms(self, r: int, kinds: tuple[str, ...], weight) -> dict[int, float]:
+        """{column: weight(activation)} over the variables of `kinds` of region r's activations."""
+        out: dict[int, float] = {}
+        for i in self.by_region[r]:
+            for kind in kinds:
+                if (kind, self.acts[i].key) in self.col:
+                    out[self.col[kind, self.acts[i].key]] = weight(self.acts[i])
+        return out
+
+    def decision_variables(self) -> None:
+        """The binaries: s[a] (swap), r[a] (recompute), u[o] (producer op o re-runs)."""
+        for i, a in enumerate(self.acts):
+            if self.swappable[i]:
+                self.var("s", a.key)
+            if a.recomputable:
+                self.var("r", a.key)
+                for p in a.producers:
+                    self.var("u", p)
+        self.n_binary = len(self.col)
+
+    def choice_rows(self) -> None:
+        """s[a] + r[a] <= 1; u[o] >= r[a] for o in producers(a)."""
+        col = self.col
+        for i, a in enumerate(self.acts):
+            if self.swappable[i] and a.recomputable:
+                self.add({col["s", a.key]: 1, col["r", a.key]: 1}, -np.inf, 1)
+            if a.recomputable:
+                for p in a.producers:
+                    self.add({col["u", p]: 1, col["r", a.key]: -1}, 0, np.inf)
+
+    def memory_rows(self, budget: int) -> None:
+        """M(r) <= budget for every region r.
+
+        Sparse form (dense prefix sums make HiGHS slow): continuous D[r] = bytes dropped in regions < r.
+          D[r] = D[r-1] + dropped(r-1);  kept0(<r) - D[r] + bytes(r) + swapped(r-1) <= budget"""
+        model, nreg = self.model, self.nreg
+        D = [self.var("D", r) for r in range(nreg)]
+        # Micro-batches in flight (holds > 1) keep their kept bytes: (holds-1) * (total - all dropped),
+        # with all dropped = D[nreg-1] + dropped in the last region.
+        held = model.holds - 1
+        if held:
+            everything = self.var("D", nreg)
+            row_ = {everything: 1.0, D[nreg - 1]: -1.0}
+            for j, v in self.terms(nreg - 1, ("s", "r"), lambda a: -a.bytes).items():
+                row_[j] = v
+            self.add(row_, 0, 0)
+        total = sum(model.bytes)
+        below = 0
+        for r in range(nreg):
+            if r:
+                row_ = {D[r]: 1.0, D[r - 1]: -1.0}
+                for j, v in self.terms(r - 1, ("s", "r"), lambda a: -a.bytes).items():
+                    row_[j] = v
+                self.add(row_, 0, 0)
+                mem = {D[r]: -1.0, **self.terms(r - 1, ("s",), lambda a: a.bytes)}
+            else:
+                self.add({D[0]: 1.0}, 0, 0)
+                mem = {D[0]: -1.0}
+            if held:
+                mem[everything] = mem.get(everything, 0.0) - held
+            self.add(mem, -np.inf, budget - below - model.bytes[r] - held * total)
+            below += model.bytes[r]
+
+    def d2h_queue_rows(self) -> None:
+        """The D2H queue drains before forward ends, at op granularity: a tensor saved by op i is
+        released at the start of op i+1. Backlog Q[b] >= Q[b-1] + released(b) - fwd(op b), Q >= 0,
+        Q[n] = 0; equivalent to "for every k, copies released from op k on fit under ops k..".
+        """
+        model, profile, col = self.model, self.profile, self.col
+        nops = len(profile.ops)
+        released: list[dict[int, float]] = [{} for _ in range(nops + 1)]
+        for a in self.acts:
+            if ("s", a.key) in col:
+                released[a.saved_at + 1][col["s", a.key]] = -model.copy_s(a.bytes, model.d2h_bps)
+        Q = [self.var("Q", b) for b in range(nops + 1)]
+        for b in range(nops + 1):
+            window = profile.ops[b].fwd_s if b < nops else 0.0
+            row_ = {Q[b]: 1.0, **released[b]}
+            if b:
+                row_[Q[b - 1]] = -1.0
+            self.add(row_, -window, np.inf)
+        self.add({Q[-1]: 1.0}, -np.inf, 0)
+
+    def h2d_rows(self) -> None:
+        """Region r's copy-ins are hidden under region r+1's backward and recompute."""
+        model, profile = self.model, self.profile
+        for r in range(self.nreg - 1):
+            back = self.terms(r, ("s",), lambda a: model.copy_s(a.bytes, model.h2d_bps))
+            if back:
+                for (kind, key), j in self.col.items():
+                    if kind == "u" and model.index[profile.ops[key].region] == r + 1:
+                        back[j] = back.get(j, 0.0) - profile.ops[key].fwd_s
+                self.add(back, -np.inf, model.bwd_s[r + 1])
+
+    def host_pool_row(self) -> None:
+        """Swapped bytes fit the host pool; each micro-batch in flight pins its own."""
+        model = self.model
+        if model.share.host_pool_bytes is not None:
+            pool = {self.col["s", a.key]: a.bytes for a in self.acts if ("s", a.key) in self.col}
+            if pool:
+                self.add(pool, -np.inf, model.share.host_pool_bytes // model.holds)
+
+    def solve(self, options: MilpOptions):
+        """HiGHS on the model: minimise the recompute time of the re-run ops (binaries integral in
+        [0, 1], continuous variables in [0, inf))."""
+        n, n_binary = len(self.col), self.n_binary
+        cost = np.zeros(n)
+        for (kind, key), j in self.col.items():
+            if kind == "u":
+                cost[j] = self.profile.ops[key].fwd_s
+        integrality = np.r_[np.ones(n_binary), np.zeros(n - n_binary)]
+        upper = np.r_[np.ones(n_binary), np.full(n - n_binary, np.inf)]
+        A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()
+        return milp(cost, constraints=LinearConstraint(A, self.lo, self.hi), integrality=integrality,
+                    bounds=Bounds(0, upper),
+                    options={"time_limit": options.time_limit_s, "disp": False, "mip_rel_gap": options.mip_rel_gap})
+
+    def decode(self, solution) -> dict[str, Decision]:
+        x = np.round(solution).astype(int)
+        col, dec = self.col, {}
+        for a in self.acts:
+            if ("s", a.key) in col and x[col["s", a.key]]:
+                dec[a.key] = Decision.SWAP
+            elif ("r", a.key) in col and x[col["r", a.key]]:
+                dec[a.key] = Decision.RECOMPUTE
+            else:
+                dec[a.key] = Decision.KEEP
+        return dec
