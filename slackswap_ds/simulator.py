@@ -94,79 +94,102 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
     n = len(schedules)
     if not 1 <= n <= node.gpus:
         raise SimulationError(f"node {node.name!r} has {node.gpus} GPUs; got {n} schedules")
-    if start_s is None:
-        start = [0.0] * n
-    else:
-        start = [float(d) for d in start_s]
-        if len(start) != n:
-            raise SimulationError(f"start_s has {len(start)} offsets for {n} schedules")
-        bad = [d for d in start if not (0.0 <= d < math.inf)]
-        if bad:
-            raise SimulationError(f"start_s offsets must be finite and >= 0; got {bad}")
+    step = _NodeStep(schedules, node, _start_offsets(start_s, n), record)
+    while True:
+        step.start_ready()
+        t_next = step.next_event_s()
+        if t_next == math.inf:
+            step.check_finished()
+            break
+        step.advance_to(t_next)
     budgets = budget_bytes if isinstance(budget_bytes, list) else [budget_bytes] * n
-    hw = node.gpu
+    return step.result(budgets, ideal_s)
 
-    # Per GPU and stream: the instruction ids in order; per GPU, done flags over its instrs.
-    queues = [[[], [], []] for _ in range(n)]
-    for g, sch in enumerate(schedules):
-        for i, ins in enumerate(sch.instrs):
-            queues[g][STREAMS.index(ins.stream)].append(i)
-    heads = [[0, 0, 0] for _ in range(n)]
-    done = [bytearray(len(s.instrs)) for s in schedules]
-    running: list[list[object]] = [[None, None, None] for _ in range(n)]  # compute: end time; copy: _Transfer
-    started_at = [[0.0, 0.0, 0.0] for _ in range(n)]
-    waiting_since = [[start[g]] * 3 for g in range(n)]
-    stall = [[0.0, 0.0, 0.0] for _ in range(n)]
-    mem = [0] * n
-    peak = [0] * n
-    moved = [[0, 0] for _ in range(n)]
-    rec_s = [0.0] * n
-    fwd_end = [0.0] * n
-    finish = list(start)  # a GPU with nothing to do ends when it starts
-    events: list[SimEvent] = []
-    memory: list[tuple[int, float, int]] = [(g, 0.0, 0) for g in range(n)] if record else []
-    sizes = [s.act_bytes for s in schedules]
-    t = 0.0
-    rates_dirty = True
 
-    def start_ready() -> bool:
-        nonlocal rates_dirty
-        started = False
-        for g in range(n):
-            if t < start[g]:
+def _start_offsets(start_s: list[float] | None, n: int) -> list[float]:
+    if start_s is None:
+        return [0.0] * n
+    start = [float(d) for d in start_s]
+    if len(start) != n:
+        raise SimulationError(f"start_s has {len(start)} offsets for {n} schedules")
+    bad = [d for d in start if not (0.0 <= d < math.inf)]
+    if bad:
+        raise SimulationError(f"start_s offsets must be finite and >= 0; got {bad}")
+    return start
+
+
+class _NodeStep:
+    """The state of one simulated step: per GPU and stream (compute, d2h, h2d) the queue of
+    instruction ids, the head of that queue, and what is running; per GPU its memory and counters.
+    `simulate_node` drives it: start what is ready, jump to the next event, finish what ends there."""
+
+    __slots__ = ("schedules", "node", "hw", "n", "start", "record", "queues", "heads", "done", "running",
+                 "started_at", "waiting_since", "stall", "mem", "peak", "moved", "rec_s", "fwd_end", "finish",
+                 "events", "memory", "sizes", "t", "rates_dirty")
+
+    def __init__(self, schedules: list[Schedule], node: Node, start: list[float], record: bool) -> None:
+        n = len(schedules)
+        self.schedules, self.node, self.hw, self.n = schedules, node, node.gpu, n
+        self.start, self.record = start, record
+        # Per GPU and stream: the instruction ids in order; per GPU, done flags over its instrs.
+        self.queues = [[[], [], []] for _ in range(n)]
+        for g, sch in enumerate(schedules):
+            for i, ins in enumerate(sch.instrs):
+                self.queues[g][STREAMS.index(ins.stream)].append(i)
+        self.heads = [[0, 0, 0] for _ in range(n)]
+        self.done = [bytearray(len(s.instrs)) for s in schedules]
+        self.running: list[list[object]] = [[None, None, None] for _ in range(n)]  # compute: end time; copy: _Transfer
+        self.started_at = [[0.0, 0.0, 0.0] for _ in range(n)]
+        self.waiting_since = [[start[g]] * 3 for g in range(n)]
+        self.stall = [[0.0, 0.0, 0.0] for _ in range(n)]
+        self.mem = [0] * n
+        self.peak = [0] * n
+        self.moved = [[0, 0] for _ in range(n)]
+        self.rec_s = [0.0] * n
+        self.fwd_end = [0.0] * n
+        self.finish = list(start)  # a GPU with nothing to do ends when it starts
+        self.events: list[SimEvent] = []
+        self.memory: list[tuple[int, float, int]] = [(g, 0.0, 0) for g in range(n)] if record else []
+        self.sizes = [s.act_bytes for s in schedules]
+        self.t = 0.0
+        self.rates_dirty = True
+
+    def start_ready(self) -> None:
+        """Start the head instruction of every idle stream whose waits are done."""
+        t, mem, peak, record = self.t, self.mem, self.peak, self.record
+        for g in range(self.n):
+            if t < self.start[g]:
                 continue
-            sch, q, h, run = schedules[g].instrs, queues[g], heads[g], running[g]
+            sch, q, h, run, done = (self.schedules[g].instrs, self.queues[g], self.heads[g], self.running[g],
+                                    self.done[g])
             for s in (_COMPUTE, _D2H, _H2D):
                 if run[s] is not None or h[s] >= len(q[s]):
                     continue
                 ins = sch[q[s][h[s]]]
-                if any(not done[g][w] for w in ins.waits):
+                if any(not done[w] for w in ins.waits):
                     continue
-                stall[g][s] += t - waiting_since[g][s]
-                started_at[g][s] = t
+                self.stall[g][s] += t - self.waiting_since[g][s]
+                self.started_at[g][s] = t
                 if ins.alloc_start:
-                    mem[g] += sum(sizes[g][k] for k in ins.alloc_start)
+                    mem[g] += sum(self.sizes[g][k] for k in ins.alloc_start)
                     if mem[g] > peak[g]:
                         peak[g] = mem[g]
                     if record:
-                        memory.append((g, t, mem[g]))
+                        self.memory.append((g, t, mem[g]))
                 if s == _COMPUTE:
                     run[s] = t + ins.seconds
                 else:
-                    run[s] = _Transfer(g, s, hw.copy_latency_s, ins.nbytes)
-                    rates_dirty = True
-                started = True
-        return started
+                    run[s] = _Transfer(g, s, self.hw.copy_latency_s, ins.nbytes)
+                    self.rates_dirty = True
 
-    while True:
-        start_ready()
-        # Next completion among running instructions.
-        if rates_dirty:
-            _assign_rates(running, node, hw)
-            rates_dirty = False
-        t_next = math.inf
-        for g in range(n):
-            for s, r in enumerate(running[g]):
+    def next_event_s(self) -> float:
+        """When the next running instruction ends or the next GPU starts (inf: nothing will)."""
+        if self.rates_dirty:
+            _assign_rates(self.running, self.node, self.hw)
+            self.rates_dirty = False
+        t, t_next = self.t, math.inf
+        for run in self.running:
+            for s, r in enumerate(run):
                 if r is None:
                     continue
                 if s == _COMPUTE:
@@ -177,84 +200,99 @@ def simulate_node(schedules: list[Schedule], node: Node, *, budget_bytes: int | 
                     te = t + r.bytes_left / r.rate if r.rate > 0 else math.inf
                 if te < t_next:
                     t_next = te
-        for d in start:  # a GPU that has not started yet
+        for d in self.start:  # a GPU that has not started yet
             if t < d < t_next:
                 t_next = d
-        if t_next == math.inf:
-            if all(heads[g][s] >= len(queues[g][s]) for g in range(n) for s in range(3)):
-                break
-            blocked = [
-                f"gpu {g} {STREAMS[s]}: {schedules[g].instrs[queues[g][s][heads[g][s]]].name}"
-                for g in range(n) for s in range(3) if heads[g][s] < len(queues[g][s])
-            ]
-            raise SimulationError("schedule deadlocks; blocked heads: " + "; ".join(blocked))
-        dt = t_next - t
-        t = t_next
+        return t_next
+
+    def check_finished(self) -> None:
+        """Nothing runs and nothing will start: every queue must be empty, or the schedule deadlocks."""
+        queues, heads, n = self.queues, self.heads, self.n
+        if all(heads[g][s] >= len(queues[g][s]) for g in range(n) for s in range(3)):
+            return
+        blocked = [
+            f"gpu {g} {STREAMS[s]}: {self.schedules[g].instrs[queues[g][s][heads[g][s]]].name}"
+            for g in range(n) for s in range(3) if heads[g][s] < len(queues[g][s])
+        ]
+        raise SimulationError("schedule deadlocks; blocked heads: " + "; ".join(blocked))
+
+    def advance_to(self, t_next: float) -> None:
+        """Move time to `t_next`: copies move their bytes, and what ends by then finishes."""
+        dt = t_next - self.t
+        t = self.t = t_next
         tol = _EPS * max(1.0, t)
-        for g in range(n):
-            run = running[g]
+        for g in range(self.n):
+            run = self.running[g]
             for s in (_COMPUTE, _D2H, _H2D):
                 r = run[s]
                 if r is None:
                     continue
                 if s == _COMPUTE:
                     finished = r <= t + tol
-                else:
-                    if r.latency_left > 0:
-                        r.latency_left -= dt
-                        if r.latency_left <= tol:
-                            r.latency_left = 0.0
-                            rates_dirty = True
-                            finished = r.bytes_left <= 0
-                        else:
-                            finished = False
-                    elif r.rate == math.inf:  # an instant copy (inf * 0 would be nan)
-                        finished = True
+                elif r.latency_left > 0:
+                    r.latency_left -= dt
+                    if r.latency_left <= tol:
+                        r.latency_left = 0.0
+                        self.rates_dirty = True
+                        finished = r.bytes_left <= 0
                     else:
-                        r.bytes_left -= r.rate * dt
-                        finished = r.bytes_left <= tol * r.rate + 1e-6
-                if not finished:
-                    continue
-                iid = queues[g][s][heads[g][s]]
-                ins = schedules[g].instrs[iid]
-                run[s] = None
-                if s != _COMPUTE:
-                    rates_dirty = True
-                    moved[g][s - 1] += ins.nbytes
-                elif ins.kind is Kind.RECOMPUTE:
-                    rec_s[g] += ins.seconds
-                elif ins.kind is Kind.FWD:
-                    fwd_end[g] = t
-                done[g][iid] = 1
-                heads[g][s] += 1
-                waiting_since[g][s] = t
-                finish[g] = max(finish[g], t)
-                delta = sum(sizes[g][k] for k in ins.alloc_end) - sum(sizes[g][k] for k in ins.free_end)
-                if delta:
-                    mem[g] += delta
-                    peak[g] = max(peak[g], mem[g])
-                    if record:
-                        memory.append((g, t, mem[g]))
-                if record:
-                    events.append(SimEvent(g, STREAMS[s], ins.kind.value, ins.name, started_at[g][s], t, ins.nbytes))
+                        finished = False
+                elif r.rate == math.inf:  # an instant copy (inf * 0 would be nan)
+                    finished = True
+                else:
+                    r.bytes_left -= r.rate * dt
+                    finished = r.bytes_left <= tol * r.rate + 1e-6
+                if finished:
+                    self._finish(g, s)
 
-    def result(g: int) -> SimResult:
-        return SimResult(
-            step_s=finish[g], ideal_s=ideal_s, peak_bytes=peak[g], budget_bytes=budgets[g],
-            stall_s={STREAMS[s]: stall[g][s] for s in range(3)}, bytes_d2h=moved[g][0], bytes_h2d=moved[g][1],
-            recompute_s=rec_s[g], fwd_s=fwd_end[g],
+    def _finish(self, g: int, s: int) -> None:
+        """The head instruction of GPU g's stream s ends now: count it, apply its memory changes."""
+        t = self.t
+        iid = self.queues[g][s][self.heads[g][s]]
+        ins = self.schedules[g].instrs[iid]
+        self.running[g][s] = None
+        if s != _COMPUTE:
+            self.rates_dirty = True
+            self.moved[g][s - 1] += ins.nbytes
+        elif ins.kind is Kind.RECOMPUTE:
+            self.rec_s[g] += ins.seconds
+        elif ins.kind is Kind.FWD:
+            self.fwd_end[g] = t
+        self.done[g][iid] = 1
+        self.heads[g][s] += 1
+        self.waiting_since[g][s] = t
+        self.finish[g] = max(self.finish[g], t)
+        sizes = self.sizes[g]
+        delta = sum(sizes[k] for k in ins.alloc_end) - sum(sizes[k] for k in ins.free_end)
+        if delta:
+            self.mem[g] += delta
+            self.peak[g] = max(self.peak[g], self.mem[g])
+            if self.record:
+                self.memory.append((g, t, self.mem[g]))
+        if self.record:
+            self.events.append(SimEvent(g, STREAMS[s], ins.kind.value, ins.name, self.started_at[g][s], t, ins.nbytes))
+
+    def result(self, budgets: list[int | None], ideal_s: float) -> SimResult:
+        """The node's result (step time of the slowest GPU, the peak of the first over budget or else
+        the highest) with each GPU's own in `per_gpu`."""
+        n, finish, peak, moved = self.n, self.finish, self.peak, self.moved
+        per = tuple(
+            SimResult(
+                step_s=finish[g], ideal_s=ideal_s, peak_bytes=peak[g], budget_bytes=budgets[g],
+                stall_s={STREAMS[s]: self.stall[g][s] for s in range(3)}, bytes_d2h=moved[g][0],
+                bytes_h2d=moved[g][1], recompute_s=self.rec_s[g], fwd_s=self.fwd_end[g],
+            )
+            for g in range(n)
         )
-
-    per = tuple(result(g) for g in range(n))
-    worst = max(range(n), key=lambda g: (finish[g], -g))
-    over = [g for g in range(n) if budgets[g] is not None and peak[g] > budgets[g]]
-    head = per[over[0] if over else max(range(n), key=lambda g: peak[g])]
-    return SimResult(
-        step_s=finish[worst], ideal_s=ideal_s, peak_bytes=head.peak_bytes, budget_bytes=head.budget_bytes,
-        stall_s=per[worst].stall_s, bytes_d2h=sum(m[0] for m in moved), bytes_h2d=sum(m[1] for m in moved),
-        recompute_s=max(rec_s), events=tuple(events), memory=tuple(memory), per_gpu=per if n > 1 else (),
-        fwd_s=fwd_end[worst],
-    )
+        worst = max(range(n), key=lambda g: (finish[g], -g))
+        over = [g for g in range(n) if budgets[g] is not None and peak[g] > budgets[g]]
+        head = per[over[0] if over else max(range(n), key=lambda g: peak[g])]
+        return SimResult(
+            step_s=finish[worst], ideal_s=ideal_s, peak_bytes=head.peak_bytes, budget_bytes=head.budget_bytes,
+            stall_s=per[worst].stall_s, bytes_d2h=sum(m[0] for m in moved), bytes_h2d=sum(m[1] for m in moved),
+            recompute_s=max(self.rec_s), events=tuple(self.events), memory=tuple(self.memory),
+            per_gpu=per if n > 1 else (), fwd_s=self.fwd_end[worst],
+        )
 
 
 def _assign_rates(running: list[list[object]], node: Node, hw: Hardware) -> None:
