@@ -1,4 +1,5 @@
-"""Reports of simulated (and, later, measured) steps: Chrome-trace / Perfetto JSON and sweep plots.
+"""Reports of simulated (and, later, measured) steps: Chrome-trace / Perfetto JSON, sweep plots, and
+the text tables `slackswap simulate` and `slackswap plan` print (see "Tables" below).
 
 `chrome_trace` turns anything shaped like a `SimResult` into the Chrome "traceEvents" JSON object
 format, which chrome://tracing, https://ui.perfetto.dev and speedscope open directly:
@@ -16,6 +17,11 @@ The input only needs ``.events`` (objects with gpu, stream, kind, name, start, e
 in seconds) and ``.memory`` ((gpu, seconds, bytes) tuples); step_s / ideal_s / peak_bytes are copied
 into ``otherData`` when present.
 
+Tables: `sweep_table` (one per workload and budget: a row per planner), `job_table` (a whole job:
+a row per planner, then the stages under the first one) and `plan_summary` (one line). They format
+rows already computed, shaped as `slackswap simulate --json` prints them; nothing here plans or
+simulates.
+
 No torch; matplotlib is imported only by `plot_sweep`.
 """
 
@@ -23,10 +29,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
+from .budget import Budget
 from .errors import SlackSwapError
+from .pipeline import Job, StepResult
+from .plan import Decision, Plan
+from .profile import StepProfile
+from .simulator import SimResult
+from .workloads import ModelSpec, Parallel
 
 STREAM_TIDS = {"compute": 1, "d2h": 2, "h2d": 3}
 MEMORY_COUNTER = "device activation bytes"
@@ -168,3 +181,137 @@ def plot_sweep(rows: Iterable[Mapping], path: str | Path) -> Path:
     except OSError as e:
         raise ReportError(f"cannot write plot {str(path)!r}: {e}") from e
     return path
+
+
+# ---- tables ------------------------------------------------------------------------------------
+GB = 1e9
+
+# SlackSwap (arXiv 2610.13003): simulated A100 + PCIe 4.0, budget 50% of the keep-all peak.
+PAPER = "SlackSwap arXiv 2610.13003, simulated A100 + PCIe 4.0, 50% budget"
+PAPER_THROUGHPUT_PCT = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}
+
+SWEEP_COLUMNS = ("planner", "thru %", "step ms", "peak GB", "peak/bud", "recomp ms", "swap GB", "feasible")
+_WIDTHS = (20, 8, 10, 9, 10, 11, 9, 12)
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / GB:.2f} GB"
+
+
+def short_source(source: str) -> str:
+    """A one-line form of a preset's `source`: the paper for the dims and the repository for the shape."""
+    paper = re.search(r"\(([A-Z][\w-]+ et al\.? \d{4})", source)
+    repo = re.search(r"\b([A-Za-z0-9_.-]+/[A-Za-z0-9_.-]+)\b", source)
+    parts = [p.group(1) for p in (paper, repo) if p]
+    if not parts:
+        return source if len(source) <= 60 else source[:57] + "..."
+    return " + ".join(parts)
+
+
+def _table_row(cells: Sequence[str]) -> str:
+    first, *rest = cells
+    return "  " + f"{first:<{_WIDTHS[0]}}" + "".join(f"{c:>{w}}" for c, w in zip(rest, _WIDTHS[1:]))
+
+
+def sweep_row(row: Mapping) -> str:
+    """One planner's row of a sweep table."""
+    if row["status"] in ("infeasible", "error"):
+        return _table_row([row["planner"], *(["-"] * 6), row["status"]])
+    return _table_row([
+        row["planner"],
+        f"{row['throughput_pct']:.1f}",
+        f"{row['step_s'] * 1e3:.1f}",
+        f"{row['peak_bytes'] / GB:.2f}",
+        f"{row['peak_bytes'] / row['budget_bytes']:.3f}" if row["budget_bytes"] else "-",
+        f"{row['recompute_s'] * 1e3:.1f}",
+        f"{row['swapped_bytes'] / GB:.2f}",
+        "yes" if row["feasible"] else "NO (over)",
+    ])
+
+
+def sweep_header(profile_name: str, where: str, spec: ModelSpec, source: str, par: Parallel, keep_all: SimResult,
+                 budget_bytes: int) -> list[str]:
+    """What was simulated where, the keep-all step and peak against the budget, and the column names."""
+    cut = "" if par == Parallel() else f", one rank of tp {par.tp}{' with sequence parallelism' if par.sp else ''}"
+    ka = keep_all
+    return [
+        f"{profile_name} on {where}: seq {spec.seq}, micro-batch {spec.micro_batch}, "
+        f"{spec.layers} layers{cut}; source: {source}",
+        f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak {gb(ka.peak_bytes)}, "
+        f"budget {gb(budget_bytes)} ({budget_bytes:,} B = {budget_bytes / ka.peak_bytes:.0%} of keep-all)"
+        if ka.peak_bytes else f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak 0 B, budget {budget_bytes:,} B",
+        _table_row(SWEEP_COLUMNS),
+    ]
+
+
+def paper_line(name: str, budget: Budget, rows: list[dict], hardware: str) -> str | None:
+    """The paper's throughput beside ours, for a preset the paper reports, at its 50% budget."""
+    if name not in PAPER_THROUGHPUT_PCT or not (budget.is_fraction and budget.value == 0.5):
+        return None
+    ours = next((r for r in rows if r["planner"] == "slackswap"), None)
+    if ours is None or ours.get("throughput_pct") is None:
+        ours_s = "slackswap not run" if ours is None else f"slackswap {ours['status']}"
+    else:
+        ours_s = f"{ours['throughput_pct']:.1f}%"
+    return f"  paper ({PAPER}): {PAPER_THROUGHPUT_PCT[name]:.1f}%   ours (slackswap, {hardware}): {ours_s}"
+
+
+def sweep_table(header: list[str], rows: list[dict], paper: str | None) -> list[str]:
+    """The header, a row per planner, the paper line (if any), why each failed row failed, a blank line."""
+    lines = header + [sweep_row(row) for row in rows] + ([paper] if paper else [])
+    lines += [f"  {row['planner']}: {row['status']}: {row['error']}" for row in rows
+              if row["status"] in ("infeasible", "error", "over budget")]
+    return lines + [""]
+
+
+def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
+              results: list[tuple[str, StepResult | None, str | None]], ideal: float) -> list[str]:
+    """A whole job's step per planner (or why it is infeasible), then each stage under the first planner."""
+    cut = f"tp {job.par.tp}{' + sp' if job.par.sp else ''}, pp {job.pp}, dp {job.dp}, zero {job.zero}" + \
+        (" with optimizer offload" if job.offload_optimizer else "") + \
+        (", gradients reduced during backward" if job.overlap_grad_comm else "")
+    lines = [f"{spec.name} on {node_name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
+             f"{spec.micro_batch} x {spec.seq} per step and pipeline, 1F1B",
+             f"  ideal step {ideal:.3f} s (every activation kept); budget {budget} of each stage's keep-all peak",
+             f"  {'planner':<20}{'thru %':>8}{'step s':>9}{'1F1B s':>9}{'grads s':>9}{'optim s':>9}"
+             f"{'worst peak/budget':>19}"]
+    for planner, res, err in results:
+        if res is None:
+            lines.append(f"  {planner:<20}{'-':>8}  infeasible: {err}")
+            continue
+        worst = max(p / s.budget_bytes for p, s in zip(res.peaks, res.stages))
+        lines.append(f"  {planner:<20}{100 * res.throughput:>8.1f}{res.step_s:>9.3f}{res.pipeline_s:>9.3f}"
+                     f"{res.grad_comm_s:>9.3f}{res.optimizer_s:>9.3f}{worst:>19.3f}")
+    for planner, res, _ in results:
+        if res is None or planner != results[0][0]:
+            continue
+        lines += _stage_lines(planner, res)
+    lines.append("")
+    return lines
+
+
+def _stage_lines(planner: str, res: StepResult) -> list[str]:
+    lines = [f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, recompute):",
+             "    stage  layers   in-flight  keep-all GB  budget GB  peak GB  kept GB/mb  swap GB/mb  "
+             "recomp ms  fwd ms  bwd ms  plan"]
+    for i, s in enumerate(res.stages):
+        swap = s.plan.bytes_by_decision(s.profile)[Decision.SWAP]
+        lines.append(f"    {i:>5}  {s.layers.start:>3}-{s.layers.stop - 1:<3}  {s.in_flight:>9}  "
+                     f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  {res.peaks[i] / GB:>7.2f}  "
+                     f"{s.kept_bytes / GB:>10.2f}  {swap / GB:>10.2f}  {s.result.recompute_s * 1e3:>9.1f}  "
+                     f"{s.fwd_s * 1e3:>6.1f}  {s.bwd_s * 1e3:>6.1f}  {s.plan.digest[:12]}")
+    return lines
+
+
+def plan_summary(planner: str, plan: Plan, profile: StepProfile, where: str, budget: Budget, budget_bytes: int,
+                 result: SimResult, output: str) -> str:
+    """One line: what a plan keeps, swaps and recomputes, how its step simulates, where it went."""
+    by = plan.bytes_by_decision(profile)
+    count = {d: len(plan.keys(d)) for d in Decision}
+    return (
+        f"{planner} plan for {profile.name} on {where}, budget {budget} = {gb(budget_bytes)}: "
+        f"keep {count[Decision.KEEP]} ({gb(by[Decision.KEEP])}), swap {count[Decision.SWAP]} "
+        f"({gb(by[Decision.SWAP])}), recompute {count[Decision.RECOMPUTE]} ({gb(by[Decision.RECOMPUTE])}); "
+        f"simulated {100 * result.throughput:.1f}% of ideal, peak {gb(result.peak_bytes)}"
+        f"{'' if result.feasible else ' (OVER BUDGET)'}; digest {plan.digest[:12]} -> {output}"
+    )

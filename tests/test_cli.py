@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from slackswap_ds.cli import main, parse_budget, short_source
+from slackswap_ds.cli import main, parse_budget
 from slackswap_ds.hardware import load_node, preset_names
 from slackswap_ds.plan import Plan
 from slackswap_ds.planners import PLANNERS
-from slackswap_ds.report import MEMORY_COUNTER, trace_busy_us
-from slackswap_ds.workloads import workload, workload_names
+from slackswap_ds.report import MEMORY_COUNTER, short_source, trace_busy_us
+from slackswap_ds.workloads import PRESETS, workload, workload_names
 
 SMALL = ["--workload", "bert-large", "--seq", "128", "--micro-batch", "2"]
 FAST = ["slackswap", "full-recompute", "offload-all", "keep-all"]  # no MILP: keep the suite fast
@@ -266,8 +266,17 @@ def test_no_command_and_help(capsys):
 
 
 def test_short_source():
-    assert short_source("gpt2-xl") == "Radford et al. 2019 + karpathy/llm.c"
-    assert short_source("not-a-preset") == ""
+    assert short_source(PRESETS["gpt2-xl"].source) == "Radford et al. 2019 + karpathy/llm.c"
+    assert short_source("measured by hand") == "measured by hand"
+    assert short_source("x" * 70) == "x" * 57 + "..."
+
+
+def test_a_malformed_workload_preset_is_a_clean_error(capsys, tmp_path, monkeypatch):
+    (tmp_path / "tiny.json").write_text("{ not json")
+    monkeypatch.setenv("SLACKSWAP_WORKLOADS_DIR", str(tmp_path))
+    assert main(["simulate"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("slackswap: error: workload file") and str(tmp_path / "tiny.json") in err
 
 
 HF = str(__import__("pathlib").Path(__file__).resolve().parent / "data" / "hf_configs")

@@ -1,0 +1,361 @@
+"""The ``slackswap`` command.
+
+    slackswap simulate [--workload W ... | --model config.json ...] [--budget B ...] [--hardware H | --node N]
+                       [--planner P ...] [--seq S] [--micro-batch M] [--layers L] [--tp T [--sp]]
+                       [--pp P] [--dp D] [--zero Z] [--micro-batches M] [--offload-optimizer]
+                       [--overlap-comm] [--json] [--trace FILE] [--plot FILE]
+    slackswap plan (--workload W | --model config.json) --budget B [--hardware H | --node N] [--planner P]
+                   [--tp T [--sp]] -o plan.json
+
+With --pp, --dp, --zero, --micro-batches, --offload-optimizer or --overlap-comm, `simulate` simulates a
+whole job (`pipeline.simulate_job`): one table per workload and budget, with each stage's plan.
+
+A budget is a fraction of the keep-all activation peak (``0.5``, ``50%``) or a byte size (``12GiB``,
+``8e9``, ``16GB``). User errors (unknown names, bad files, an infeasible budget for ``plan``) print
+one line ``slackswap: error: ...`` on stderr and exit with 2; no stack traces.
+
+This module reads the arguments and prints; `cli/sweep.py` plans and simulates the rows, and
+`report.py` formats the tables. ``python -m slackswap_ds.cli`` runs `main` (`__main__.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+from ..budget import Budget
+from ..errors import SlackSwapError
+from ..hardware import load_hardware, load_node, preset_names
+from ..planners import PLANNERS, get_planner, keep_all_result
+from ..report import job_table, paper_line, plan_summary, sweep_header, sweep_table
+from ..workloads import Parallel, preset_spec, presets, workload_names
+from .sweep import (Group, Sweep, Target, Traced, Workload, job_row, native_stdout_to_stderr,
+                    simulate_job_planners)
+
+DEFAULT_WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
+DEFAULT_HARDWARE = "a100-80g-pcie4"
+
+
+# ---- budgets ----------------------------------------------------------------------------------
+def parse_budget(text: str) -> Budget:
+    """An argparse type: a budget by `budget.py`'s rules (the config's), or a usage error."""
+    try:
+        return Budget.parse(str(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"invalid budget {text!r}: {e}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return v
+
+
+# ---- what the arguments name -------------------------------------------------------------------
+def _names(values: Sequence[str] | None) -> list[str]:
+    """Flatten repeated / comma-separated name options, keeping order, dropping duplicates."""
+    out: list[str] = []
+    for v in values or ():
+        for part in str(v).split(","):
+            part = part.strip()
+            if part and part not in out:
+                out.append(part)
+    return out
+
+
+def _load_target(hardware: str | None, node: str | None) -> Target:
+    if node is not None:
+        n = load_node(node)
+        return Target(n.gpu, n)
+    return Target(load_hardware(hardware or DEFAULT_HARDWARE), None)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, int]:
+    out = {}
+    for opt, name in (("seq", "seq"), ("micro_batch", "micro_batch"), ("layers", "layers")):
+        v = getattr(args, opt, None)
+        if v is not None:
+            out[name] = v
+    return out
+
+
+def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workload]:
+    """The presets named by --workload (or `default` when neither --workload nor --model is given),
+    then each --model config, every one with the shape overrides applied. Errors before any work."""
+    overrides = _overrides(args)
+    given = getattr(args, "workload", None)
+    names = _names([given] if isinstance(given, str) else given)
+    models = getattr(args, "model", None) or []
+    if not names and not models:
+        names = list(default)
+    if names == ["all"]:
+        names = workload_names()
+    out = []
+    for n in names:
+        spec = preset_spec(n, **overrides)
+        out.append(Workload(n, spec, True, spec != presets()[n]))
+    for path in models:
+        from ..model_config import spec_from_hf_config
+
+        if args.seq is None or args.micro_batch is None:
+            raise SlackSwapError(f"--model {path}: give --seq and --micro-batch too (a config.json holds the "
+                                 f"model, not the shape of its training batches)")
+        spec = spec_from_hf_config(path, seq=args.seq, micro_batch=args.micro_batch)
+        if args.layers is not None:
+            spec = dataclasses.replace(spec, layers=args.layers)
+        out.append(Workload(spec.name, spec, False, False))
+    return out
+
+
+def _parallel(args: argparse.Namespace) -> Parallel:
+    if getattr(args, "sp", False) and getattr(args, "tp", 1) == 1:
+        raise SlackSwapError("--sp (sequence parallelism) splits along the tensor-parallel group: give --tp > 1")
+    return Parallel(getattr(args, "tp", 1) or 1, bool(getattr(args, "sp", False)))
+
+
+# ---- simulate ----------------------------------------------------------------------------------
+def _sweep(args: argparse.Namespace) -> Sweep:
+    """Every name checked before any work, so a typo fails at once."""
+    planners = _names(args.planner) or list(PLANNERS)
+    budgets = list(dict.fromkeys(args.budget or [parse_budget("0.5")]))
+    workloads = _workloads(args, DEFAULT_WORKLOADS)
+    for p in planners:
+        get_planner(p)
+    target = _load_target(args.hardware, args.node)
+    return Sweep(workloads, budgets, planners, target, _parallel(args), bool(args.trace))
+
+
+def _group_table(group: Group, sweep: Sweep) -> list[str]:
+    wl, target, par = group.workload, sweep.target, sweep.par
+    header = sweep_header(group.profile_name, target.where, wl.spec, wl.source_note, par, group.keep_all,
+                          group.budget_bytes)
+    plain = wl.preset and not wl.overridden and par == Parallel()
+    paper = paper_line(wl.name, group.budget, group.rows, target.name) if plain else None
+    return sweep_table(header, group.rows, paper)
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    if _is_job(args):
+        return cmd_simulate_job(args)
+    sweep = _sweep(args)
+    rows: list[dict] = []
+    traced: Traced | None = None
+    out = sys.stdout
+    for group in sweep.groups():
+        rows.extend(group.rows)
+        traced = group.traced or traced
+        if not args.json:
+            print("\n".join(_group_table(group, sweep)), file=out, flush=True)
+    if args.json:
+        json.dump([{k: v for k, v in r.items() if k != "status"} for r in rows], out, indent=1)
+        out.write("\n")
+        out.flush()
+    rc = 0
+    if args.trace:
+        rc = _write_trace(traced, args.trace)
+    if args.plot:
+        from ..report import plot_sweep
+
+        plot_sweep(rows, args.plot)
+        print(f"slackswap: sweep plot written to {args.plot}", file=sys.stderr)
+    return rc
+
+
+def _write_trace(traced: Traced, path: str) -> int:
+    if traced.result is None:
+        print(f"slackswap: error: no trace written: the slackswap plan could not be simulated: {traced.error}",
+              file=sys.stderr)
+        return 1
+    from ..report import write_trace
+
+    write_trace(traced.result, path, title=traced.title, budget_bytes=traced.budget_bytes)
+    print(f"slackswap: trace of the slackswap step written to {path}", file=sys.stderr)
+    return 0
+
+
+# ---- a whole job: pipeline stages, data parallelism, ZeRO -----------------------------------------
+JOB_PLANNERS = ("slackswap", "full-recompute", "megatron-selective", "offload-all")  # the MILP is slow on whole stages
+DEFAULT_JOB_NODE = "dgx-a100"
+
+
+def _is_job(args: argparse.Namespace) -> bool:
+    return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm) != \
+        (1, 1, 0, 1, False, False)
+
+
+def cmd_simulate_job(args: argparse.Namespace) -> int:
+    """One step of a job cut across GPUs (`pipeline.simulate_job`): per planner, the step time
+    against the keep-all ideal, and per stage its peak, budget and plan."""
+    from ..pipeline import Job, ideal_step_s
+
+    if args.hardware is not None and args.node is None:
+        raise SlackSwapError("--pp/--dp/--zero simulate a job across nodes: give --node (e.g. dgx-a100), not --hardware")
+    if args.trace or args.plot:
+        raise SlackSwapError("--trace and --plot are for single-rank steps; not with --pp/--dp/--zero")
+    node = load_node(args.node or DEFAULT_JOB_NODE)
+    planners = _names(args.planner) or list(JOB_PLANNERS)
+    for p in planners:
+        get_planner(p)
+    budgets = list(dict.fromkeys(args.budget or [parse_budget("0.5")]))
+    par = _parallel(args)
+    rows, out = [], sys.stdout
+    for wl in _workloads(args, ("llama-70b",)):
+        job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
+                  args.overlap_comm)
+        ideal = ideal_step_s(job, node)
+        for budget in budgets:
+            if not budget.is_fraction:
+                raise SlackSwapError("with --pp a budget is a fraction of each stage's keep-all peak (e.g. 0.5)")
+            results = simulate_job_planners(job, node, budget, planners, ideal)
+            rows += [job_row(wl, job, node, budget, planner, res, err, ideal) for planner, res, err in results]
+            if not args.json:
+                print("\n".join(job_table(wl.spec, node.name, job, budget, results, ideal)), file=out, flush=True)
+    if args.json:
+        json.dump(rows, out, indent=1)
+        out.write("\n")
+    return 0
+
+
+# ---- plan --------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    get_planner(args.planner)
+    if _is_job(args):
+        raise SlackSwapError("slackswap plan makes one rank's plan; for a job across stages use slackswap simulate --pp")
+    if args.workload is None and not args.model:
+        raise SlackSwapError("give --workload W or --model config.json")
+    if args.workload is not None and args.model:
+        raise SlackSwapError("give --workload or --model, not both (a plan is for one model)")
+    (wl,) = _workloads(args, ())
+    target = _load_target(args.hardware, args.node)
+    profile = wl.profile(target.hw, _parallel(args))
+    ka = keep_all_result(profile, target.hw)
+    budget_bytes = args.budget.of(profile.total_bytes)
+    with native_stdout_to_stderr():
+        planned = get_planner(args.planner)(profile, target.hw, budget_bytes, share=target.share)
+    plan = planned.plan
+    res = target.simulate(planned, budget_bytes, ka.step_s, record=False)
+    if args.output == "-":
+        sys.stdout.write(json.dumps(plan.to_json(), indent=1, sort_keys=True) + "\n")
+        summary_out = sys.stderr
+    else:
+        try:
+            plan.save(args.output)
+        except OSError as e:
+            raise SlackSwapError(f"cannot write plan {args.output!r}: {e}") from e
+        summary_out = sys.stdout
+    print(plan_summary(args.planner, plan, profile, target.name, args.budget, budget_bytes, res, args.output),
+          file=summary_out)
+    return 0 if res.feasible else 1
+
+
+# ---- parser ------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slackswap", description="SlackSwap activation-memory planner for DeepSpeed.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_simulate_parser(sub)
+    _add_plan_parser(sub)
+    return parser
+
+
+def _add_common_options(p: argparse.ArgumentParser) -> None:
+    """Where to simulate, the shape overrides and how the job is cut: the same for every command."""
+    gpus, nodes = preset_names("gpu"), preset_names("node")
+    p.add_argument("--hardware", metavar="H",
+                   help=f"GPU preset or hardware JSON file (default {DEFAULT_HARDWARE}; presets: {', '.join(gpus)})")
+    p.add_argument("--node", metavar="N",
+                   help=f"node preset or JSON file; simulates all its GPUs sharing host links "
+                        f"(presets: {', '.join(nodes)}); its GPU replaces --hardware")
+    p.add_argument("--seq", type=_positive_int, metavar="S", help="override the sequence length")
+    p.add_argument("--micro-batch", type=_positive_int, metavar="M", help="override the micro-batch size")
+    p.add_argument("--layers", type=_positive_int, metavar="L", help="override the number of layers")
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="T",
+                   help="tensor-parallel degree: simulate one rank of a Megatron-style T-way cut (default 1)")
+    p.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (Korthikanti et al.)")
+    p.add_argument("--pp", type=_positive_int, default=1, metavar="P",
+                   help="pipeline stages (1F1B); with --pp/--dp/--zero, simulate a whole job on --node")
+    p.add_argument("--dp", type=_positive_int, default=1, metavar="D", help="data-parallel replicas (default 1)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="DeepSpeed ZeRO stage (default 0)")
+    p.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",
+                   help="micro-batches per step and pipeline (gradient accumulation; default 1)")
+    p.add_argument("--offload-optimizer", action="store_true",
+                   help="ZeRO-Offload: optimizer state and step on the CPU (needs --zero 1 or 2)")
+    p.add_argument("--overlap-comm", action="store_true",
+                   help="reduce each layer's gradients while backward goes on (DeepSpeed's overlap_comm)")
+
+
+def _add_simulate_parser(sub) -> None:
+    sim = sub.add_parser("simulate", help="simulate planners on workloads and compare throughput",
+                         description="Plan and simulate one training step per (workload, budget, planner).")
+    sim.add_argument("--workload", "-w", action="extend", nargs="+", metavar="W",
+                     help=f"workload preset(s) (default {' '.join(DEFAULT_WORKLOADS)}; 'all' or any of "
+                          f"{', '.join(workload_names())})")
+    sim.add_argument("--model", action="append", metavar="CONFIG",
+                     help="a Hugging Face config.json (or its folder) to simulate, with --seq and --micro-batch; "
+                          "families: gpt2, bert, llama, mistral, qwen2, mixtral")
+    sim.add_argument("--budget", "-b", action="extend", nargs="+", type=parse_budget, metavar="B",
+                     help="activation budget(s): a fraction of the keep-all peak (0.5, 50%%) or a size "
+                          "(12GiB, 16GB, 8e9); default 0.5")
+    sim.add_argument("--planner", "-p", action="extend", nargs="+", metavar="P",
+                     help=f"planner(s) (default all: {', '.join(PLANNERS)})")
+    _add_common_options(sim)
+    sim.add_argument("--json", action="store_true", help="print a JSON list of rows instead of tables")
+    sim.add_argument("--trace", metavar="FILE",
+                     help="write the Chrome/Perfetto trace of the slackswap step for the first workload and budget")
+    sim.add_argument("--plot", metavar="FILE", help="write a PNG of throughput vs budget (needs matplotlib)")
+    sim.set_defaults(func=cmd_simulate)
+
+
+def _add_plan_parser(sub) -> None:
+    pl = sub.add_parser("plan", help="make a plan and write it as JSON",
+                        description="Make one plan for a workload and budget and write it (Plan JSON).")
+    pl.add_argument("--workload", "-w", metavar="W", help=f"workload preset ({', '.join(workload_names())})")
+    pl.add_argument("--model", action="append", metavar="CONFIG",
+                    help="instead of --workload: a Hugging Face config.json, with --seq and --micro-batch")
+    pl.add_argument("--budget", "-b", required=True, type=parse_budget, metavar="B",
+                    help="activation budget: fraction of the keep-all peak or a size (12GiB)")
+    pl.add_argument("--planner", "-p", default="slackswap", metavar="P",
+                    help=f"planner (default slackswap; {', '.join(PLANNERS)})")
+    _add_common_options(pl)
+    pl.add_argument("--output", "-o", required=True, metavar="FILE", help="where to write the plan ('-' = stdout)")
+    pl.set_defaults(func=cmd_plan)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+    except SlackSwapError as e:  # a malformed preset file: the help texts list the presets
+        print(f"slackswap: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse has already printed
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 2)
+    if getattr(args, "func", None) is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.node is not None and args.hardware is not None:
+        parser.print_usage(sys.stderr)
+        print("slackswap: error: give --hardware or --node, not both (a node's GPU is set in its preset)",
+              file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except SlackSwapError as e:
+        print(f"slackswap: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # e.g. `slackswap simulate --json | head`
+        try:
+            sys.stdout.close()
+        except OSError:
+            pass
+        return 0
+    except KeyboardInterrupt:
+        print("slackswap: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,281 @@
+"""Sweeping for ``slackswap simulate``: plan and simulate every planner on every (workload, budget),
+on one GPU or a node of them, or a whole job across stages, and return the rows (the objects
+``--json`` prints). Nothing here formats a table: `report.py` does, and the command
+(`cli/__init__.py`) prints. Progress, slow-planner notes and internal errors go to stderr as the
+sweep goes; a planner that fails marks its row and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..budget import Budget
+from ..errors import BudgetInfeasibleError
+from ..hardware import Hardware, Node
+from ..pipeline import Job, StepResult, simulate_job
+from ..plan import Decision, Plan
+from ..planners import PRIVATE, Planned, Share, get_planner, keep_all_result, refusal
+from ..profile import StepProfile
+from ..report import short_source
+from ..simulator import SimResult, simulate, simulate_node
+from ..workloads import ModelSpec, Parallel, transformer_profile
+
+PROGRESS_ABOVE = 6  # (workload, budget) combinations above which progress goes to stderr
+SLOW_PLANNER_S = 10.0  # a planner slower than this gets a note on stderr
+
+
+# ---- keeping stdout clean -----------------------------------------------------------------------
+def _c_fflush() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)
+    except Exception:  # pragma: no cover - no libc (unusual platforms): nothing buffered to flush
+        pass
+
+
+@contextmanager
+def native_stdout_to_stderr() -> Iterator[None]:
+    """Send what native code (e.g. the HiGHS MILP solver) prints on file descriptor 1 to stderr
+    while the block runs, so that ``--json`` output on stdout stays parseable."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no usable fd 1
+        yield
+        return
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        _c_fflush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+# ---- one simulated row -------------------------------------------------------------------------
+@dataclass
+class Target:
+    """Where steps are simulated: one GPU (private link) or every GPU of a node."""
+
+    hw: Hardware
+    node: Node | None
+
+    @property
+    def name(self) -> str:
+        return self.node.name if self.node else self.hw.name
+
+    @property
+    def share(self) -> Share:
+        return Share.of_node(self.node) if self.node else PRIVATE
+
+    @property
+    def where(self) -> str:
+        """The target as a table header names it."""
+        return (f"{self.node.name} ({self.node.gpus}x {self.hw.name}, slowest rank)" if self.node
+                else self.hw.name)
+
+    def simulate(self, planned: Planned, budget_bytes: int, ideal_s: float, record: bool) -> SimResult:
+        """The planned step here: the planner's own simulation (one GPU), or, for a traced step
+        or a node of GPUs sharing their links, a simulation of its schedule."""
+        if self.node is None and not record:
+            return dataclasses.replace(planned.result, ideal_s=ideal_s)
+        if self.node is None:  # on purpose: the planner's simulation recorded no events to trace
+            return simulate(planned.schedule, self.hw, budget_bytes=budget_bytes, ideal_s=ideal_s, record=record)
+        # on purpose: the planner simulated one GPU on its share; here every GPU of the node runs at once
+        return simulate_node([planned.schedule] * self.node.gpus, self.node, budget_bytes=budget_bytes,
+                             ideal_s=ideal_s, record=record)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One model to simulate: a preset (by name) or a user's Hugging Face config (`--model`)."""
+
+    name: str
+    spec: ModelSpec
+    preset: bool
+    overridden: bool
+
+    def profile(self, hw: Hardware, par: Parallel) -> StepProfile:
+        return transformer_profile(self.spec, hw, par)
+
+    @property
+    def source_note(self) -> str:
+        """Where the model comes from, in a line: a preset's paper and repository, a config's file and type."""
+        if self.preset:
+            return short_source(self.spec.source) + (" (shape overridden)" if self.overridden else "")
+        return self.spec.source.split(";")[0]
+
+
+def _internal_error(what: str, e: BaseException) -> None:
+    """Not a user error: say so on stderr (with the traceback when SLACKSWAP_DEBUG is set)."""
+    print(f"slackswap: internal error in {what}: {type(e).__name__}: {e} (row marked 'error'"
+          f"{'' if os.environ.get('SLACKSWAP_DEBUG') else '; set SLACKSWAP_DEBUG=1 for the traceback'})",
+          file=sys.stderr, flush=True)
+    if os.environ.get("SLACKSWAP_DEBUG"):
+        traceback.print_exception(e, file=sys.stderr)
+
+
+def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: int, ideal_s: float,
+            record: bool = False) -> tuple[dict, Plan | None, SimResult | None]:
+    """Plan and simulate one (profile, budget, planner): the row's measured fields, the plan, the result."""
+    fn = get_planner(planner)
+    try:
+        with native_stdout_to_stderr():
+            planned = fn(profile, target.hw, budget_bytes, share=target.share)
+    except BudgetInfeasibleError as e:
+        return {"feasible": False, "status": "infeasible", "error": refusal(planner, e)}, None, None
+    except Exception as e:  # a planner bug: report it in the row and on stderr, keep sweeping
+        _internal_error(f"planner {planner!r}", e)
+        return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, None, None
+    plan = planned.plan
+    try:
+        res = target.simulate(planned, budget_bytes, ideal_s, record)
+    except Exception as e:
+        _internal_error(f"simulating the {planner!r} plan", e)
+        return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, plan, None
+    by = plan.bytes_by_decision(profile)
+    row = {
+        "throughput_pct": 100.0 * res.throughput,
+        "step_s": res.step_s,
+        "peak_bytes": res.peak_bytes,
+        "feasible": res.feasible,
+        "status": "ok" if res.feasible else "over budget",
+        "recompute_s": res.recompute_s,
+        "stall_s": dict(res.stall_s),
+        "swapped_bytes": by[Decision.SWAP],
+        "recomputed_bytes": by[Decision.RECOMPUTE],
+    }
+    if not res.feasible:
+        row["error"] = f"simulated peak {res.peak_bytes:,} B exceeds the budget of {budget_bytes:,} B"
+    return row, plan, res
+
+
+# ---- a sweep -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Traced:
+    """The slackswap step of the first workload and budget, simulated with its events for --trace."""
+
+    result: SimResult | None
+    error: str | None  # why there is no result
+    budget_bytes: int
+    title: str
+
+
+@dataclass(frozen=True)
+class Group:
+    """One (workload, budget) of a sweep: a row per planner, as `--json` prints them."""
+
+    workload: Workload
+    profile_name: str
+    keep_all: SimResult
+    budget: Budget
+    budget_bytes: int
+    rows: list[dict]
+    traced: Traced | None
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What `slackswap simulate` runs: every planner on every (workload, budget), on one target."""
+
+    workloads: list[Workload]
+    budgets: list[Budget]
+    planners: list[str]
+    target: Target
+    par: Parallel
+    trace: bool  # simulate the first workload and budget's slackswap step with its events
+
+    def groups(self) -> Iterator[Group]:
+        """The groups in order, each as soon as its planners are done (progress on stderr)."""
+        combos = len(self.workloads) * len(self.budgets)
+        done = 0
+        for wi, wl in enumerate(self.workloads):
+            profile = wl.profile(self.target.hw, self.par)
+            ka = keep_all_result(profile, self.target.hw)
+            for bi, budget in enumerate(self.budgets):
+                t0 = time.perf_counter()
+                group = self._group(wl, profile, ka, budget, trace=self.trace and wi == 0 and bi == 0)
+                done += 1
+                if combos > PROGRESS_ABOVE:
+                    print(f"[{done}/{combos}] {wl.name} budget {budget}: {len(self.planners)} planners in "
+                          f"{time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+                yield group
+
+    def _group(self, wl: Workload, profile: StepProfile, ka: SimResult, budget: Budget, trace: bool) -> Group:
+        """Every planner at one budget; with `trace`, the slackswap step simulated with its events too."""
+        target, budget_bytes = self.target, budget.of(profile.total_bytes)
+        rows: list[dict] = []
+        trace_res = trace_err = None
+        for planner in self.planners:
+            record = trace and planner == "slackswap"
+            t1 = time.perf_counter()
+            fields, _, res = run_one(profile, target, planner, budget_bytes, ka.step_s, record=record)
+            if time.perf_counter() - t1 > SLOW_PLANNER_S:
+                print(f"slackswap: note: {planner} took {time.perf_counter() - t1:.0f} s on {profile.name} "
+                      f"at budget {budget}", file=sys.stderr, flush=True)
+            rows.append({
+                "workload": wl.name,
+                "budget": budget.json_value,
+                "hardware": target.name,
+                "planner": planner,
+                "throughput_pct": None,
+                "step_s": None,
+                "ideal_s": ka.step_s,
+                "peak_bytes": None,
+                "budget_bytes": budget_bytes,
+                **fields,
+            })
+            if record:
+                trace_res, trace_err = res, fields.get("error") if res is None else None
+        if trace and "slackswap" not in self.planners:  # traced on purpose, though not in the table
+            fields, _, trace_res = run_one(profile, target, "slackswap", budget_bytes, ka.step_s, record=True)
+            trace_err = fields.get("error") if trace_res is None else None
+        traced = None
+        if trace:
+            title = f"slackswap plan: {profile.name} on {target.name}, budget {budget} ({budget_bytes:,} B)"
+            traced = Traced(trace_res, trace_err, budget_bytes, title)
+        return Group(wl, profile.name, ka, budget, budget_bytes, rows, traced)
+
+
+# ---- a whole job ------------------------------------------------------------------------------
+def simulate_job_planners(job: Job, node: Node, budget: Budget, planners: list[str],
+                          ideal: float) -> list[tuple[str, StepResult | None, str | None]]:
+    """One step of `job` per planner: (planner, its step, None) or (planner, None, why it is infeasible)."""
+    results = []
+    for planner in planners:
+        try:
+            with native_stdout_to_stderr():
+                results.append((planner, simulate_job(job, node, budget.value, planner, ideal_s=ideal), None))
+        except BudgetInfeasibleError as e:
+            results.append((planner, None, str(e)))
+    return results
+
+
+def job_row(wl: Workload, job: Job, node: Node, budget: Budget, planner: str, res: StepResult | None, err: str | None,
+            ideal: float) -> dict:
+    """A job's row as `--json` prints it: the cut, the budget, the step, and per stage its plan."""
+    row = {"workload": wl.name, "node": node.name, "tp": job.par.tp, "sp": job.par.sp, "pp": job.pp, "dp": job.dp,
+           "zero": job.zero, "micro_batches": job.micro_batches, "offload_optimizer": job.offload_optimizer,
+           "overlap_comm": job.overlap_grad_comm,
+           "budget": budget.json_value, "planner": planner, "ideal_s": ideal, "feasible": res is not None}
+    if res is None:
+        return {**row, "error": err}
+    return {**row, "step_s": res.step_s, "throughput_pct": 100 * res.throughput, "pipeline_s": res.pipeline_s,
+            "grad_comm_s": res.grad_comm_s, "optimizer_s": res.optimizer_s,
+            "stages": [{"stage": s.stage, "layers": [s.layers.start, s.layers.stop], "in_flight": s.in_flight,
+                        "keep_all_bytes": s.keep_all_bytes, "budget_bytes": s.budget_bytes, "peak_bytes": res.peaks[i],
+                        "kept_bytes": s.kept_bytes, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
+                        "swapped_bytes": s.plan.bytes_by_decision(s.profile)[Decision.SWAP],
+                        "recompute_s": s.result.recompute_s, "plan_digest": s.plan.digest}
+                       for i, s in enumerate(res.stages)]}
+
+
