@@ -47,7 +47,7 @@ class LayerShape:
                    norm="ln" if spec.norm == "layernorm" else "rmsnorm", pre_norm=spec.norm_placement == "pre",
                    tokens=tokens, block_elements=block_elements,
                    replicated_elements=builder.replicated(block_elements), heads_per_rank=spec.heads // tp,
-                   kv_heads_per_rank=kv_heads_per_rank(builder), ffn_per_rank=spec.ffn // tp)
+                   kv_heads_per_rank=_kv_heads_per_rank(builder), ffn_per_rank=spec.ffn // tp)
 
     @property
     def layer_input(self) -> str:
@@ -55,7 +55,7 @@ class LayerShape:
         return f"{self.attention}:x"
 
 
-def kv_heads_per_rank(builder: CostBuilder) -> int:
+def _kv_heads_per_rank(builder: CostBuilder) -> int:
     """This rank's key/value heads: split like the query heads, or replicated when fewer than tp."""
     kv_heads, tp = builder.spec.kv_heads, builder.par.tp
     return kv_heads // tp if kv_heads >= tp else 1
@@ -83,12 +83,14 @@ def add_layer(builder: CostBuilder, layer: int) -> None:
 
 # ---- attention block ----------------------------------------------------------------------------
 def _attention_block(builder: CostBuilder, shape: LayerShape) -> tuple[list[str], str]:
-    """Returns (the ops from the output projection to the residual add, the context tensor)."""
+    """Norm (pre-LN), QKV projection, RoPE, the attention core, output projection, residual add.
+    Returns (the ops from the output projection to the residual add, the context tensor)."""
     spec, bytes_per_element = builder.spec, builder.bytes_per_element
     region, module, layer_input = shape.region, shape.attention, shape.layer_input
-    tokens, hidden, head_dim, heads = shape.tokens, spec.hidden, spec.head_dim, shape.heads_per_rank
+    tokens, hidden, head_dim = shape.tokens, spec.hidden, spec.head_dim
+    heads_per_rank, kv_heads_per_rank = shape.heads_per_rank, shape.kv_heads_per_rank
     elements = shape.replicated_elements
-    qkv_width = (heads + 2 * shape.kv_heads_per_rank) * head_dim
+    qkv_width = (heads_per_rank + 2 * kv_heads_per_rank) * head_dim
     if shape.pre_norm:
         norm = builder.norm(region, module, f"{shape.norm}1", elements)
         builder.save(layer_input, elements * bytes_per_element, [norm])
@@ -104,14 +106,14 @@ def _attention_block(builder: CostBuilder, shape: LayerShape) -> tuple[list[str]
         builder.save(layer_input, elements * bytes_per_element, [qkv])
     qkv_producers = gather + [qkv]
     if spec.rope:  # rotate q and k: reads and writes both; backward the same (cos/sin are constants)
-        rotated = tokens * (heads + shape.kv_heads_per_rank) * head_dim
+        rotated = tokens * (heads_per_rank + kv_heads_per_rank) * head_dim
         rope = builder.hbm(region, module, "rope", 2 * rotated * bytes_per_element, 2 * rotated * bytes_per_element)
         qkv_producers = qkv_producers + [rope]
     context, core = _attention_core(builder, shape, qkv_producers, qkv_input)
-    context_elements = tokens * heads * head_dim
-    projection = builder.matmul(region, module, "proj", 2.0 * tokens * heads * head_dim * hidden,
-                                context_elements + heads * head_dim * hidden + tokens * hidden,
-                                params=heads * head_dim * hidden)
+    context_elements = tokens * heads_per_rank * head_dim
+    projection = builder.matmul(region, module, "proj", 2.0 * tokens * heads_per_rank * head_dim * hidden,
+                                context_elements + heads_per_rank * head_dim * hidden + tokens * hidden,
+                                params=heads_per_rank * head_dim * hidden)
     # with flash the core's output is also what its own backward reads: one tensor, two users
     builder.save(context.key, context_elements * bytes_per_element, [core, projection] if spec.flash else [projection],
                  context.producers, context.deps)
@@ -127,13 +129,14 @@ def _attention_core(builder: CostBuilder, shape: LayerShape, qkv_producers: list
     """Saves q, k, v and the attention-core tensors of this rank's heads. Returns (the context, not
     saved yet, and the op whose output it is)."""
     spec, bytes_per_element, module, region = builder.spec, builder.bytes_per_element, shape.attention, shape.region
-    micro_batch, seq, head_dim, heads = spec.micro_batch, spec.seq, spec.head_dim, shape.heads_per_rank
+    micro_batch, seq, head_dim = spec.micro_batch, spec.seq, spec.head_dim
+    heads_per_rank, kv_heads_per_rank = shape.heads_per_rank, shape.kv_heads_per_rank
     q, k, v = f"{module}:q", f"{module}:k", f"{module}:v"
-    q_elements = micro_batch * seq * heads * head_dim  # q and the context: this rank's heads
-    kv_elements = micro_batch * seq * shape.kv_heads_per_rank * head_dim
-    core_flops = 2.0 * micro_batch * seq * seq * heads * head_dim  # each of QK^T and P·V: 2·b·a·s²·d
+    q_elements = micro_batch * seq * heads_per_rank * head_dim  # q and the context: this rank's heads
+    kv_elements = micro_batch * seq * kv_heads_per_rank * head_dim
+    core_flops = 2.0 * micro_batch * seq * seq * heads_per_rank * head_dim  # each of QK^T and P·V: 2·b·a·s²·d
     if spec.flash:
-        lse_bytes = FP32 * micro_batch * heads * seq
+        lse_bytes = FP32 * micro_batch * heads_per_rank * seq
         fwd_bytes = (q_elements + 2 * kv_elements + q_elements) * bytes_per_element + lse_bytes
         # read q, k, v, o, dO, lse; write dq, dk, dv
         bwd_bytes = ((q_elements + 2 * kv_elements + 2 * q_elements) * bytes_per_element + lse_bytes
@@ -146,7 +149,7 @@ def _attention_core(builder: CostBuilder, shape: LayerShape, qkv_producers: list
         builder.save(f"{module}:attn.lse", lse_bytes, [flash], [flash], [q, k, v])
         # the flash output is the output projection's input: one tensor, saved by both ops
         return _Tensor(f"{module}:attn.out", [flash], [q, k, v]), flash
-    score_elements = micro_batch * heads * seq * seq  # the scores / probabilities
+    score_elements = micro_batch * heads_per_rank * seq * seq  # the scores / probabilities
     scores = builder.matmul(region, module, "scores", core_flops, q_elements + kv_elements + score_elements)
     builder.save(q, q_elements * bytes_per_element, [scores], qkv_producers, [qkv_input])
     builder.save(k, kv_elements * bytes_per_element, [scores], qkv_producers, [qkv_input])
@@ -188,7 +191,8 @@ def _norm_between(builder: CostBuilder, shape: LayerShape, attention_ops: list[s
     builder.save(norm_input, elements * builder.bytes_per_element, [norm], attention_ops,
                  [context, shape.layer_input])
     builder.save_norm_stats(module, name, norm, elements, norm_input)
-    return _Tensor(norm_output, [norm], [norm_input]), norm_input if shape.pre_norm else norm_output
+    residual = norm_input if shape.pre_norm else norm_output  # what the MLP's residual add adds to
+    return _Tensor(norm_output, [norm], [norm_input]), residual
 
 
 # ---- MLP: dense, or mixture of experts ----------------------------------------------------------
@@ -204,6 +208,8 @@ class _FeedForwardInput:
 
 @dataclass(frozen=True)
 class _Routing:
+    """The router's ops: the combine weights are made again by re-running them."""
+
     router: str
     route: str
 
