@@ -1,7 +1,16 @@
 """slackswap_ds: per-activation keep / swap / recompute plans for DeepSpeed training.
 
-The planning core (profiles, hardware, planners, simulator) imports no torch; the runtime names
-below are imported on first use.
+Layers, bottom up: a module imports from its own layer or a lower one, never a higher one; no
+import cycles; no module imports another module's underscore names; core and planning import no
+torch (tests/test_structure.py holds the package to this block):
+
+    core         errors budget profile hardware plan model_config workloads
+    planning     simulator planners pipeline report tables
+    runtime      runtime checkpointing bucketing topology dist channels agreement planfile
+    integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run
+    entry        cli
+
+The runtime names below (`apply`, `profile_step`, `initialize`, ...) are imported on first use.
 """
 
 from __future__ import annotations

@@ -222,12 +222,13 @@ def test_node_topology_comes_from_the_config_else_each_rank_has_its_own_link(mon
                                      "host_pool_bytes_per_node": "64GiB"}})
     runtime = SlackSwapRuntime(_EngineShim(torch.nn.Linear(2, 2)), cfg)
     runtime.attach()
-    assert runtime.topology.uplink_of == (0, 0, 1, 1, 2, 2, 3, 3)
-    assert runtime.uplink_bps == node.switch_uplink_bps
+    assert runtime.coordinator.topology.uplink_of == (0, 0, 1, 1, 2, 2, 3, 3)
+    assert runtime.coordinator.uplink_bps == node.switch_uplink_bps
     monkeypatch.setenv("LOCAL_SIZE", "2")  # no node, no CUDA to discover it with: a link per rank
     private = SlackSwapRuntime(_EngineShim(torch.nn.Linear(2, 2)), load_config({"slackswap": {"hardware": "a100-80g-pcie4"}}))
     private.attach()
-    assert private.topology.uplink_of == (0, 1) and private.topology.source.startswith("default")
+    topology = private.coordinator.topology
+    assert topology.uplink_of == (0, 1) and topology.source.startswith("default")
 
 
 # ---- in process, one rank: what ss.initialize takes over from a Hugging Face model --------------
@@ -312,13 +313,13 @@ def test_every_log_every_steps_rank_0_reports_measured_against_predicted(caplog)
 def test_other_ranks_say_only_what_differs():
     import logging
 
-    from slackswap_ds.engine import EVERY_RANK, _RankZero
+    from slackswap_ds.logs import EVERY_RANK, RankZeroFilter
 
     def passes(rank, level, extra=None):
         record = logging.LogRecord("slackswap_ds", level, __file__, 1, "m", (), None)
         for k, v in (extra or {}).items():
             setattr(record, k, v)
-        return _RankZero(rank).filter(record)
+        return RankZeroFilter(rank).filter(record)
 
     assert passes(0, logging.INFO) and not passes(1, logging.INFO) and not passes(3, logging.DEBUG)
     assert passes(1, logging.WARNING) and passes(1, logging.INFO, EVERY_RANK)
@@ -359,8 +360,8 @@ def test_a_host_pool_that_runs_out_is_warned_once_and_reported(caplog):
 
     runtime = _steps({"log_every": 2, "activation_budget": 0.5}, seqs=(16,) * 3)
     assert runtime.active_plan.keys(Decision.SWAP)
-    runtime.pool.trim()  # the job's pinned pool gives back its free memory, and
-    runtime.pool.budget_bytes = 0  # may take no more: every swap misses
+    runtime.plans.pool.trim()  # the job's pinned pool gives back its free memory, and
+    runtime.plans.pool.budget_bytes = 0  # may take no more: every swap misses
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
         for _ in range(4):
             ids = torch.randint(1, 128, (2, 16))
@@ -417,3 +418,52 @@ def test_zero_offload_makes_plans_leave_its_link_time_and_pinned_memory(single_p
     assert net.host_pool_bytes == (1 << 30) - pinned
     assert any("ZeRO-Offload copies gradients" in r.getMessage() for r in caplog.records)
 
+
+
+# ---- a plan travels once: lowered and simulated once from the planner to the executor -------------
+class _Counts:
+    """Counts every Schedule made (lower and retrigger both make one) and every simulation, by the
+    digest of the plan it is of; simulations also by the GPU's name (a share of the planning GPU
+    keeps its name; the synchronous-copies check runs on another GPU)."""
+
+    def __init__(self, monkeypatch):
+        import collections
+        import importlib
+
+        from slackswap_ds import simulator
+
+        plan_module = importlib.import_module("slackswap_ds.plan")  # (ss.plan, the function, shadows it)
+
+        self.lowered, self.simulated = collections.Counter(), collections.Counter()
+        real_schedule, real_simulate_node = plan_module.Schedule, simulator.simulate_node
+
+        def schedule(instrs, act_bytes, plan):
+            self.lowered[plan.digest] += 1
+            return real_schedule(instrs, act_bytes, plan)
+
+        def simulate_node(schedules, node, **kw):
+            for s in schedules[:1]:
+                self.simulated[s.plan.digest, node.gpu.name] += 1
+            return real_simulate_node(schedules, node, **kw)
+
+        monkeypatch.setattr(plan_module, "Schedule", schedule)
+        monkeypatch.setattr(simulator, "simulate_node", simulate_node)
+
+
+def test_a_plan_is_lowered_and_simulated_once_on_its_way_to_the_executor(monkeypatch):
+    import collections
+
+    from slackswap_ds.plan import Plan
+    from slackswap_ds.planners import common
+
+    monkeypatch.setattr(common, "_KEEP_ALL_CACHE", collections.OrderedDict())  # the ideal is simulated here
+    counts = _Counts(monkeypatch)
+    runtime = _steps({"activation_budget": 0.5}, seqs=(16, 16, 16))  # plain; profiled and planned; planned
+    state, hw = next(iter(runtime.shapes.values())), runtime.plans.hw
+    plan = state.plan
+    assert state.executor.plan is plan and runtime.active_plan is plan
+    assert counts.lowered[plan.digest] == 1  # by the planner (or fit_triggers, for a retimed plan); never again
+    assert counts.simulated[plan.digest, hw.name] == 1  # the prediction is the planner's own simulation
+    keep_all = Plan.build(state.profile, common.keep_all(state.profile), budget_bytes=0, hardware_digest=hw.digest,
+                          planner="keep-all")
+    assert counts.simulated[keep_all.digest, hw.name] == 1  # the ideal step: once per profile

@@ -85,7 +85,8 @@ def test_install_routes_deepspeed_initialize_once_and_uninstall_restores_it():
 
     import slackswap_ds as ss
     from slackswap_ds import checkpointing
-    from slackswap_ds.routing import is_installed, original_initialize
+    from slackswap_ds.deepspeed_api import original_initialize
+    from slackswap_ds.routing import is_installed
 
     own = deepspeed.initialize
     assert not is_installed()
@@ -103,7 +104,7 @@ def test_rebinding_deepspeed_initialize_by_hand_does_not_recurse():
     import deepspeed
 
     import slackswap_ds as ss
-    from slackswap_ds.routing import original_initialize
+    from slackswap_ds.deepspeed_api import original_initialize
 
     own = deepspeed.initialize
     try:

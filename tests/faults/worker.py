@@ -30,7 +30,7 @@ if __name__ == "__main__":
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
 
 import slackswap_ds as ss  # noqa: E402
-from slackswap_ds import agreement  # noqa: E402
+from slackswap_ds import coordination, plans  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -65,15 +65,15 @@ def stop_here():
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
-def fault_before(name: str, fault):
-    """Run `fault` when agreement.<name> is next called on this rank."""
-    real = getattr(agreement, name)
+def fault_before(name: str, fault, module=plans):
+    """Run `fault` when module.<name> (an agreement function the runtime calls) is next called on this rank."""
+    real = getattr(module, name)
 
     def faulty(*args, **kwargs):
         fault()
         return real(*args, **kwargs)
 
-    setattr(agreement, name, faulty)
+    setattr(module, name, faulty)
 
 
 def main(scenario: str, timeout_s: float) -> None:
@@ -91,7 +91,7 @@ def main(scenario: str, timeout_s: float) -> None:
     if scenario == "stop3-agree" and rank == 3:
         fault_before("agree", stop_here)
     if scenario == "kill2-facts" and rank == 2:
-        fault_before("exchange", lambda: os._exit(1))
+        fault_before("exchange", lambda: os._exit(1), coordination)  # the node facts
     seq = 8
     for step in range(1, 5):
         if step == 2 or (scenario == "newshape23" and step == 3):

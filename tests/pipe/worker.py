@@ -31,7 +31,7 @@ if __name__ == "__main__":
     os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
 
 import slackswap_ds as ss  # noqa: E402
-from slackswap_ds import agreement, stages  # noqa: E402
+from slackswap_ds import coordination, plans  # noqa: E402
 
 WIDTH, SEQ, BATCHES = 32, 8, 4
 
@@ -52,7 +52,7 @@ def say(text: str) -> None:
     sys.stdout.flush()
 
 
-def fault_before(name: str, fault, module=stages) -> None:
+def fault_before(name: str, fault, module=plans) -> None:
     """Run `fault` when module.<name> (an agreement function the runtime calls) is next called."""
     real = getattr(module, name)
 
@@ -89,7 +89,7 @@ def main() -> None:
     if args.fault == "kill3-agree" and rank == 3:
         fault_before("agree", lambda: os._exit(1))
     if args.fault == "kill1-facts" and rank == 1:
-        fault_before("exchange", lambda: os._exit(1), agreement)  # the node facts are the first exchange
+        fault_before("exchange", lambda: os._exit(1), coordination)  # the node facts are the first exchange
 
     def batches():
         g = torch.Generator().manual_seed(1 + engine.grid.data_parallel_id)
@@ -102,15 +102,15 @@ def main() -> None:
         if b == 1 and args.fault:
             say(f"FAULT-TEST enter {rank}")
         losses.append(float(engine.train_batch(data)))
-        if runtime is not None and b >= 2:
-            peak = max(peak, runtime.last_batch_peak)
+        if runtime is not None and runtime.last_stats is not None and b >= 2:
+            peak = max(peak, runtime.last_stats.peak_device_bytes)
     params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
     out = {"rank": rank, "stage": engine.stage_id, "losses": losses, "parameters": params}
     if runtime is not None:
         state = next(iter(runtime.shapes.values()))
         out.update(digest=state.plan.digest, budget=state.plan.budget_bytes, peak=peak, holds=runtime.holds,
                    keep_all=runtime.holds * state.profile.total_bytes, stage_plans=runtime.stage_plans,
-                   predicted_peak=state.predicted_peak, layers=int(dict(state.profile.meta)["layers"]))
+                   predicted_peak=state.prediction.peak_bytes, layers=int(dict(state.profile.meta)["layers"]))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     say(f"FAULT-TEST done {rank}")
     torch.distributed.barrier()

@@ -61,7 +61,8 @@ def main(scenario: str, timeout_s: float) -> None:
         os.environ["LOCAL_RANK"] = str(rank % 2)
         runtime = SlackSwapRuntime(EngineShim(model), cfg)
         runtime.attach()
-        channel = runtime._channel()
+        coordinator = runtime.coordinator
+        channel = coordinator.job_channel()
         budget = profile.total_bytes // 2 + 1000 * rank  # unequal demands: rank r wants 1000*r B less
         if scenario == "coordinate-exit3" and rank == 3:
             emit({**out, "exited": True})
@@ -70,7 +71,7 @@ def main(scenario: str, timeout_s: float) -> None:
 
         began = time.monotonic()
         try:
-            runtime._coordinate(channel, profile, budget, (((2, 16), "torch.int64"),))
+            coordinator.exchange_facts(profile, budget, "input shapes (2, 16) torch.int64")
         except AgreementError as e:
             emit({**out, "error": str(e), "seconds": time.monotonic() - began})
             os._exit(0)

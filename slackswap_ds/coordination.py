@@ -1,0 +1,228 @@
+"""How one rank agrees with the others: channels, node facts and shares, and giving up.
+
+Planning a shape, on every rank that plans it at the same step:
+
+    1. node facts  every rank sends rank 0 its node, host uplink, demand and step (dist.RankFacts),
+                   and rank 0 answers with everyone's; each rank computes every rank's Share of its
+                   node (uplink split among the ranks on it, pinned pool max-min fair by demand);
+                   its own sizes its host pool (`exchange_facts`)
+    2. plan        the first of the ranks that run one plan plans it with the tightest Share of
+                   theirs, so that the one plan fits every replica (plans.py)
+    3. agreement   it sends its profile and plan as canonical JSON (no pickle); every rank checks
+                   that the profile's structure (names and bytes, not times) equals its own and that
+                   the plan fits; the verdict names the ranks at fault (agreement.py)
+
+Both exchanges go over MPI under MPI launchers, else over the torch.distributed store, each with a
+deadline (`sync_timeout_s`): a dead or stuck rank is named, never waited on forever. A rank that
+cannot go on shouts why and leaves (`give_up`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass
+
+from .agreement import AgreementError, Channel, GaveUp, Solo, exchange, give_up
+from .config import SlackSwapConfig
+from .dist import RankFacts, shares_of, tightest
+from .hardware import Hardware
+from .logs import EVERY_RANK, log
+from .machine import MPI_LAUNCH_VARS, gpu_index, has_mpi4py, host_uplinks, mpi_launched
+from .planners.common import Share
+from .profile import StepProfile
+
+LINGER_S = 1.0  # how long a rank that gives up stays, so that the others can say why before it exits
+
+
+@dataclass(frozen=True)
+class Shares:
+    """This rank's Share of its node, the one its plan is made with (the tightest of the ranks
+    that run it), the lead rank's, and how many ranks share this rank's node."""
+
+    own: Share
+    plan: Share
+    lead: Share
+    node_ranks: int
+
+
+class Coordinator:
+    """The agreement side of one rank of a job (see the module docstring). Made as DeepSpeed starts,
+    while every rank is alive: MPI's node grouping is a collective."""
+
+    def __init__(self, cfg: SlackSwapConfig, hw: Hardware):
+        self.cfg, self.hw = cfg, hw
+        self.topology, self.uplink_bps = host_uplinks(cfg.node, hw)
+        self.sync = _transport(cfg.sync)
+        self.mpi_node: int | None = None  # this rank's node by MPI shared memory (MPI launches only)
+        if self.sync == "mpi" and not cfg.ranks_per_node:
+            from .dist import node_layout
+
+            self.mpi_node = node_layout()[0].node
+        self.channel: Channel | None = None  # the job's channel, made on first use
+        self.shares: Shares | None = None  # set by exchange_facts
+        log.debug("slackswap: plans agreed over %s; host uplinks from %s", self.via, self.topology.source)
+
+    @property
+    def via(self) -> str:
+        return "MPI" if self.sync == "mpi" else "torch.distributed"
+
+    # ---- channels ------------------------------------------------------------------------------
+    def job_channel(self) -> Channel:
+        """The channel of every rank of the job: MPI or the torch.distributed store; one rank: none."""
+        if self.channel is None:
+            import torch.distributed as dist
+
+            from .channels import MpiChannel, StoreChannel
+
+            if self.sync == "mpi":
+                self.channel = MpiChannel()
+                _check_same_job(self.channel)
+            elif dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+                self.channel = StoreChannel()
+            else:
+                self.channel = Solo()
+        return self.channel
+
+    def split(self, color: int):
+        """Under MPI: the communicator of the ranks with this `color` (a collective of every rank:
+        call it as DeepSpeed starts); else None."""
+        if self.sync != "mpi":
+            return None
+        from mpi4py import MPI
+
+        world = MPI.COMM_WORLD
+        return world.Split(color, world.Get_rank())
+
+    def group_channel(self, members: list[int], name: str, communicator=None) -> Channel:
+        """The channel of a group of the job's ranks (`members`, ascending; numbered from 0 in the
+        group, while errors name job ranks); `communicator`: the group's MPI communicator (`split`)."""
+        from .channels import MpiChannel, StoreChannel
+
+        if len(members) == 1:
+            return Solo()
+        if self.sync == "mpi":
+            return MpiChannel(communicator, members=members)
+        rank = self.job_channel().rank
+        return StoreChannel(rank=members.index(rank), world=len(members), prefix=f"slackswap/{name}", members=members)
+
+    # ---- node facts --------------------------------------------------------------------------------
+    def exchange_facts(self, local: StepProfile, budget: int, step: str, holds: int = 1,
+                       pinned: int | None = None, peers: list[int] | None = None) -> Shares:
+        """Tell every rank this rank's node, uplink, demand and `step`; from everyone's, this rank's
+        Shares (`peers`: the ranks that run its plan, by default every rank; their first leads).
+        Peers planning another step than the first of them are named on every rank
+        (AgreementError). `pinned`: host bytes ZeRO-Offload pins per rank (None: no offload)."""
+        channel = self.job_channel()
+        facts = RankFacts(node=self._node_key(channel.rank), uplink=self.topology.uplink_of[gpu_index() % self.topology.gpus],
+                          demand=max(0, holds * local.total_bytes - budget), step=step)
+        everyone = [RankFacts.from_json(b) for b in exchange(channel, "facts", facts.to_json(), self.cfg.sync_timeout_s,
+                                                              "node facts (node, uplink, demand)")]
+        peers = list(range(channel.world)) if peers is None else peers
+        _check_same_step(channel.rank, everyone, peers)
+        shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node, pinned or 0)
+        if pinned is not None:  # every replica runs the same ZeRO config: the same link penalty for all
+            # (0 pinned here: each node's pool was netted of its ranks' optimizer state above)
+            shares = [s.beside_zero_offload(self.hw, 0) for s in shares]
+            log.info("slackswap: ZeRO-Offload copies gradients to the host during backward and pins %.2f GB of "
+                     "optimizer state per rank: plans prefetch at the duplex rate (%.1f GB/s) and share only "
+                     "what the node's pool has left", pinned / 1e9, shares[channel.rank].h2d(self.hw) / 1e9)
+        node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
+        self.shares = Shares(shares[channel.rank], tightest([shares[r] for r in peers]), shares[peers[0]],
+                             len(node_ranks))
+        log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
+                  facts.node, node_ranks, facts.uplink, self.topology.source, self.shares.own, self.shares.plan)
+        return self.shares
+
+    def _node_key(self, rank: int) -> str:
+        """Ranks with equal keys share a node: by `ranks_per_node`, by MPI shared memory, or by host."""
+        if self.cfg.ranks_per_node:
+            return f"group {rank // self.cfg.ranks_per_node}"
+        if self.mpi_node is not None:
+            return f"mpi node {self.mpi_node}"  # MPI's COMM_TYPE_SHARED grouping, found at start
+        return socket.gethostname()
+
+    # ---- leaving -----------------------------------------------------------------------------------
+    def give_up(self, error: Exception) -> None:
+        """This rank cannot plan the step: the job stops, since its replicas cannot run one plan.
+        The others hear why at once (agreement.give_up) instead of waiting out their deadline;
+        this rank lingers a moment so that they can say so before a launcher tears the job down;
+        and the process will exit without waiting for its peers (MPI_Finalize or a process group's
+        shutdown would wait forever for a stuck one)."""
+        channel = self.channel
+        if channel is None or channel.world == 1:
+            return
+        if not isinstance(error, GaveUp):  # (give_up shouts once per channel: the protocol's own errors already did)
+            give_up(channel, str(error) if isinstance(error, AgreementError) else f"{type(error).__name__}: {error}")
+        text = str(error) if str(error).startswith(f"rank {channel.rank}") else f"rank {channel.rank}: {error}"
+        log.error("slackswap %s (%s). The job stops: its ranks cannot agree on one plan", text,
+                  type(error).__name__, extra=EVERY_RANK)
+        time.sleep(LINGER_S)
+        exit_without_peers()
+
+
+def _transport(sync: str) -> str:
+    """The config's "auto" | "mpi" | "torch" as the transport this process can use."""
+    if sync == "auto":
+        return "mpi" if mpi_launched() and has_mpi4py() else "torch"
+    if sync == "mpi" and not mpi_launched():
+        # each process would init MPI alone, call itself rank 0 of 1, plan alone and take the whole pool
+        raise AgreementError('"sync": "mpi" needs a job launched by MPI (mpirun / mpiexec, srun --mpi, or '
+                             'deepspeed --launcher mpich / openmpi), and this process was not (none of '
+                             f'{", ".join(MPI_LAUNCH_VARS)} is set); use "sync": "auto" or "torch"')
+    return sync
+
+
+def _check_same_job(channel) -> None:
+    """MPI and torch.distributed must number the same job's ranks alike."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        theirs = (dist.get_rank(), dist.get_world_size())
+        if theirs != (channel.rank, channel.world):
+            raise AgreementError(
+                f"MPI says this process is rank {channel.rank} of {channel.world}, torch.distributed says rank "
+                f"{theirs[0]} of {theirs[1]}: the job was not launched as one MPI job of all its ranks; use "
+                f"\"sync\": \"torch\" (or launch it with mpirun)")
+
+
+def _check_same_step(rank: int, everyone: list[RankFacts], peers: list[int]) -> None:
+    lead = peers[0]
+    others = {r: everyone[r].step for r in peers if everyone[r].step != everyone[lead].step}
+    if others:
+        raise AgreementError(
+            f"rank {rank}: ranks {sorted(others)} plan another step than rank {lead} "
+            f"({everyone[lead].step}): " + "; ".join(f"rank {r}: {step}" for r, step in sorted(others.items()))
+            + ". Data-parallel replicas must run the same model on the same input shapes at each step "
+              "(pad variable-length batches to a common length, e.g. with slackswap_ds.pad_to_multiple)")
+
+
+_exit_registered = False
+
+
+def exit_without_peers() -> None:
+    """At interpreter exit, end the process before MPI_Finalize or a process group's shutdown can
+    wait for a peer that is stopped or gone (registered last, so it runs first). Exit status 1:
+    the job failed."""
+    global _exit_registered
+    if _exit_registered:
+        return
+    _exit_registered = True
+
+    def exit_now():
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+
+    atexit.register(exit_now)
+
+
+__all__ = ["Coordinator", "LINGER_S", "Shares", "exit_without_peers"]

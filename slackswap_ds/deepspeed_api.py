@@ -1,0 +1,219 @@
+"""DeepSpeed as SlackSwap touches it: every use of DeepSpeed beyond calling `deepspeed.initialize`,
+private API included, is here, so that a DeepSpeed upgrade has one place to look.
+
+* DeepSpeed's own `initialize`, kept while SlackSwap's is bound in its place (`route_initialize`,
+  `original_initialize`), and called without the ``"slackswap"`` section (`initialize_without_section`).
+* The data-parallel engine: its `forward` and `backward` wrapped per engine (`hook_forward_backward`).
+* The pipeline engine, which never calls those: a per-engine copy of its class's private
+  `_INSTRUCTION_MAP` with `ForwardPass` / `BackwardPass` wrapped, and its private `_exec_schedule`
+  wrapped (`hook_pipeline`); its `pipe_buffers`, stage id, topology and
+  `activation_checkpoint_interval`.
+* ZeRO: the host bytes ZeRO-Offload pins, and whether ZeRO-Infinity offloads parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import threading
+from typing import Any, Callable, Iterator
+
+MARK = "__slackswap_initialize__"  # set on slackswap_ds.engine.initialize
+
+_LOCK = threading.RLock()
+_ORIGINAL: Callable | None = None  # DeepSpeed's own initialize while SlackSwap's is routed in
+_SEEN: Callable | None = None  # DeepSpeed's own initialize, as last seen unpatched
+
+
+# ---- deepspeed.initialize ------------------------------------------------------------------------
+def remember_original() -> None:
+    """Keep DeepSpeed's `initialize` if it is imported and not yet rebound (the engine module calls
+    this when it is imported: evaluating ``ss.initialize`` in ``deepspeed.initialize =
+    ss.initialize`` imports it before the assignment happens)."""
+    global _SEEN
+    module = sys.modules.get("deepspeed")
+    current = getattr(module, "initialize", None)
+    if current is not None and not getattr(current, MARK, False):
+        _SEEN = current
+
+
+def original_initialize() -> Callable:
+    """DeepSpeed's own `initialize`, whatever `deepspeed.initialize` is bound to now (a binding to
+    SlackSwap's made by hand instead of `install()` included)."""
+    import deepspeed  # noqa: F401
+
+    remember_original()
+    found = _ORIGINAL or _SEEN
+    if found is None:
+        raise RuntimeError("deepspeed.initialize was rebound to slackswap_ds.initialize before SlackSwap could "
+                           "keep DeepSpeed's own function; use ss.install() instead of assigning it by hand")
+    return found
+
+
+def initialize_is_routed() -> bool:
+    return _ORIGINAL is not None
+
+
+def route_initialize(replacement: Callable) -> bool:
+    """Bind `deepspeed.initialize` to `replacement`, keeping DeepSpeed's own. True if it changed it."""
+    global _ORIGINAL
+    import deepspeed
+
+    with _LOCK:
+        if _ORIGINAL is not None:
+            return False
+        _ORIGINAL = original_initialize()
+        deepspeed.initialize = replacement
+        return True
+
+
+def unroute_initialize() -> bool:
+    """Put DeepSpeed's own `initialize` back. True if it was routed."""
+    global _ORIGINAL
+    import deepspeed
+
+    with _LOCK:
+        if _ORIGINAL is None:
+            return False
+        deepspeed.initialize, _ORIGINAL = _ORIGINAL, None
+        return True
+
+
+def config_given(args, config, config_params):
+    """The DeepSpeed config the caller gave `initialize` (a dict, a path, or None)."""
+    if config is not None:
+        return config
+    if config_params is not None:
+        return config_params
+    return getattr(args, "deepspeed_config", None) if args is not None else None
+
+
+def initialize_without_section(ds_config, section: str, args, positional: tuple, kwargs: dict) -> tuple:
+    """DeepSpeed's own `initialize(args, *positional, **kwargs)` with `ds_config` minus `section`
+    as its only config. (DeepSpeed ignores unknown top-level keys, but it refuses a config both in
+    `args` and in the call, so the one in `args` is taken out.)"""
+    config = None
+    if ds_config is not None:
+        if isinstance(ds_config, (str, os.PathLike)):
+            with open(ds_config) as f:
+                ds_config = json.load(f)
+        config = {k: v for k, v in ds_config.items() if k != section}
+        if args is not None and getattr(args, "deepspeed_config", None) is not None:
+            args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
+    return original_initialize()(args, *positional, config=config, config_params=None, **kwargs)
+
+
+# ---- the data-parallel engine ----------------------------------------------------------------------
+def hook_forward_backward(engine, before_forward: Callable[[tuple, dict], dict], before_backward: Callable[[], None],
+                          after_backward: Callable[[], None]) -> None:
+    """Wrap this engine's `forward` and `backward` (the class's stay DeepSpeed's):
+    `before_forward(args, kwargs)` returns the keyword inputs forward gets; `after_backward()` runs
+    even when backward raises."""
+    forward, backward = engine.forward, engine.backward
+
+    def slackswap_forward(*args, **kwargs):
+        return forward(*args, **before_forward(args, kwargs))
+
+    def slackswap_backward(loss, *args, **kwargs):
+        before_backward()
+        try:
+            return backward(loss, *args, **kwargs)
+        finally:
+            after_backward()
+
+    engine.forward = slackswap_forward
+    engine.backward = slackswap_backward
+
+
+# ---- the pipeline engine ------------------------------------------------------------------------------
+def is_pipeline_engine(engine) -> bool:
+    try:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+    except ImportError:  # pragma: no cover - a DeepSpeed without pipeline support
+        return False
+    return isinstance(engine, PipelineEngine)
+
+
+PassRunner = Callable[[Callable[[], Any], int], Any]  # (run the pass, buffer id) -> its result
+
+
+def hook_pipeline(engine, forward_pass: PassRunner, backward_pass: PassRunner,
+                  run_batch: Callable[[Callable[[], Any], Any], Any]) -> None:
+    """Route this pipeline engine's ForwardPass and BackwardPass instructions through
+    `forward_pass(run, buffer_id)` / `backward_pass(run, buffer_id)` (each calls `run()` to run
+    DeepSpeed's own pass), and each schedule it executes through `run_batch(run, schedule)`.
+    The engine gets its own copy of the instruction map: the class's stays DeepSpeed's."""
+    from deepspeed.runtime.pipe.schedule import BackwardPass, ForwardPass
+
+    instructions = dict(type(engine)._INSTRUCTION_MAP)
+    deepspeed_forward, deepspeed_backward = instructions[ForwardPass], instructions[BackwardPass]
+    instructions[ForwardPass] = lambda eng, buffer_id: forward_pass(lambda: deepspeed_forward(eng, buffer_id), buffer_id)
+    instructions[BackwardPass] = lambda eng, buffer_id: backward_pass(lambda: deepspeed_backward(eng, buffer_id),
+                                                                      buffer_id)
+    engine._INSTRUCTION_MAP = instructions
+    run_schedule = engine._exec_schedule
+    engine._exec_schedule = lambda schedule: run_batch(lambda: run_schedule(schedule), schedule)
+
+
+def is_train_schedule(schedule) -> bool:
+    """A training batch (train_batch's schedule, grad on), not eval_batch's."""
+    import torch
+    from deepspeed.runtime.pipe.schedule import TrainSchedule
+
+    return isinstance(schedule, TrainSchedule) and torch.is_grad_enabled()
+
+
+def stage_of(engine) -> int:
+    return int(engine.stage_id)
+
+
+def stage_ranks(engine) -> list[int]:
+    """The job ranks of this engine's pipeline stage (its data-parallel and tensor-parallel peers), ascending."""
+    return sorted(engine.module.topology().filter_match(pipe=stage_of(engine)))
+
+
+def micro_batch_inputs(engine, buffer_id: int) -> tuple:
+    """What a micro-batch's forward takes: its inputs, and on the last stage its labels (else None)."""
+    buffers = engine.pipe_buffers
+    labels = buffers.get("labels")
+    label = labels[buffer_id] if engine.is_last_stage() and labels and len(labels) > buffer_id else None
+    return buffers["inputs"][buffer_id], label
+
+
+@contextlib.contextmanager
+def checkpointing_set_aside(module) -> Iterator[int]:
+    """The PipelineModule's `activation_checkpoint_interval` is 0 inside (SlackSwap plans every
+    activation instead); yields the interval set aside, restored afterwards."""
+    interval = module.activation_checkpoint_interval
+    module.activation_checkpoint_interval = 0
+    try:
+        yield interval
+    finally:
+        module.activation_checkpoint_interval = interval
+
+
+# ---- ZeRO ---------------------------------------------------------------------------------------------
+def zero_offload_pinned_bytes(engine) -> int | None:
+    """Host bytes DeepSpeed's ZeRO-Offload pins for this rank's optimizer state (fp32 master, m, v and
+    gradient of its 1/dp partition: 16 B per parameter), or None without optimizer offload."""
+    offloads = getattr(engine, "zero_cpu_offload", None)
+    if offloads is None or not offloads():
+        return None
+    from .pipeline import PINNED_OPTIMIZER_BYTES_PER_PARAM
+
+    params = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
+    return params // max(1, int(getattr(engine, "dp_world_size", 1))) * PINNED_OPTIMIZER_BYTES_PER_PARAM
+
+
+def offloads_parameters(engine) -> bool:
+    """ZeRO-Infinity parameter offload (`offload_param`) is on."""
+    return getattr(engine, "zero_offload_param", lambda: None)() is not None
+
+
+__all__ = ["MARK", "checkpointing_set_aside", "config_given", "hook_forward_backward", "hook_pipeline",
+           "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
+           "micro_batch_inputs", "offloads_parameters", "original_initialize", "remember_original",
+           "route_initialize", "stage_of", "stage_ranks", "unroute_initialize", "zero_offload_pinned_bytes"]

@@ -1,0 +1,66 @@
+"""What SlackSwap says during a job, and which rank says it.
+
+Library output goes through the ``slackswap_ds`` logger. A job of N ranks says things once: on
+ranks other than 0 only warnings, errors and records marked `EVERY_RANK` (what differs on that
+rank) get through. `SayOnce` keeps a message that could repeat every step to its first time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger("slackswap_ds")
+
+EVERY_RANK = {"every_rank": True}  # `extra=` of a record other ranks log too (what differs on them)
+
+
+class RankZeroFilter(logging.Filter):
+    """On ranks other than 0, only warnings, errors and records marked EVERY_RANK get through."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.rank == 0 or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+
+
+def job_rank() -> int:
+    """This process's rank in the job: torch.distributed's, else the launcher's environment, else 0."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    for name in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def setup_logging(level: str) -> None:
+    """Set the logger's level; give it a console handler if the application configured none; say
+    things once per job (`RankZeroFilter`, replacing an earlier one)."""
+    log.setLevel(level.upper())
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+    for old in [f for f in log.filters if isinstance(f, RankZeroFilter)]:
+        log.removeFilter(old)
+    log.addFilter(RankZeroFilter(job_rank()))
+
+
+class SayOnce:
+    """Log each kind of message only the first time (`what` names the kind)."""
+
+    def __init__(self) -> None:
+        self.said: set[str] = set()
+
+    def __call__(self, what: str, level: int, message: str, *args, **kwargs) -> None:
+        if what not in self.said:
+            self.said.add(what)
+            log.log(level, message, *args, **kwargs)
+
+
+__all__ = ["EVERY_RANK", "RankZeroFilter", "SayOnce", "job_rank", "log", "setup_logging"]

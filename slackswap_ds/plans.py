@@ -1,0 +1,224 @@
+"""Plans for one rank's input shapes: made within the budget, fitted to the device, agreed, installed.
+
+`PlanMaker` is what the DeepSpeed engine's runtime (engine.py) and the pipeline stages' (stages.py)
+both use to turn a measured profile into a running executor:
+
+    within_budget   the configured planner's plan for `holds` micro-batches at once; if it finds
+                    none within the budget, the fastest (simulated) of the fallbacks that does,
+                    with a warning; if none does, BudgetInfeasibleError with every reason
+    fit_to_device   on a device without streams (DeepSpeed's CPU accelerator) copies are
+                    synchronous: prefetches timed for the planning hardware are retimed if they
+                    would push the peak over the budget there
+    agree           node facts, the lead rank's plan (from plan_file if one was made for exactly
+                    this job), and the agreement of every rank that runs it (coordination.py)
+    install         the shape's executor on this rank's host pool, and the prediction reports
+                    compare with; the plan is not lowered or simulated again where the planner's
+                    `Planned` already holds its schedule and its simulation on this rank's share
+    replan          after a verifying step demoted tensors: planned again, locally
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from . import planfile
+from .agreement import Channel, agree
+from .config import SlackSwapConfig
+from .coordination import Coordinator
+from .deepspeed_api import offloads_parameters, zero_offload_pinned_bytes
+from .errors import BudgetInfeasibleError, PlanError
+from .hardware import Hardware
+from .logs import log
+from .machine import resolve_hardware
+from .plan import Plan, lower
+from .planfile import MadeFor
+from .planners import PLANNERS, get_planner, keep_all_result, refusal
+from .planners.common import Planned, fit_triggers, held_bytes
+from .profile import StepProfile
+from .runtime.device import Device
+from .runtime.executor import apply
+from .runtime.host_pool import HostPool
+from .shapes import Prediction, ShapeKey, ShapeState, describe
+from .simulator import SimResult, simulate
+
+# tried, fastest first by simulation, when the configured planner finds no plan within the budget:
+# swapping everything needs only the host pool; recomputing everything, only the layer inputs
+FALLBACK_PLANNERS = ("offload-all", "full-recompute")
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """The plan every rank of a group runs, with the profile it was made for (the lead's), and the
+    lead's `Planned` (None elsewhere, and for a plan read from plan_file)."""
+
+    profile: StepProfile
+    plan: Plan
+    planned: Planned | None
+
+
+class PlanMaker:
+    """Makes, agrees and installs one rank's plans (see the module docstring)."""
+
+    def __init__(self, cfg: SlackSwapConfig, hw: Hardware, module: nn.Module, coordinator: Coordinator,
+                 offload_pinned_bytes: int | None = None):
+        self.cfg, self.hw, self.module, self.coordinator = cfg, hw, module, coordinator
+        self.offload_pinned_bytes = offload_pinned_bytes  # ZeRO-Offload's pinned host bytes per rank (None: off)
+        self.holds = 1  # micro-batches whose saved tensors are held at once (a pipeline stage's: stages.py)
+        self.pool: HostPool | None = None  # one HostPool for every shape's executor
+
+    @classmethod
+    def for_engine(cls, engine, cfg: SlackSwapConfig) -> "PlanMaker":
+        """What every rank settles as DeepSpeed starts, for the engine's runtime and the stages'
+        alike: the hardware to plan for, how ranks agree (coordination.py), ZeRO's host traffic."""
+        hw = resolve_hardware(cfg.hardware)
+        if offloads_parameters(engine):
+            log.warning("slackswap: ZeRO-Infinity parameter offload (offload_param) moves every layer's parameters "
+                        "over the host link in forward and backward; plans do not account for that traffic yet, "
+                        "so prefetches may stall (slower steps; the gradients are unaffected)")
+        return cls(cfg, hw, engine.module, Coordinator(cfg, hw), zero_offload_pinned_bytes(engine))
+
+    # ---- making a plan ---------------------------------------------------------------------------
+    def within_budget(self, profile: StepProfile, budget: int, planner: str) -> Planned:
+        """`planner`'s plan within `budget`, else the fastest fallback's (module docstring)."""
+        share = self.coordinator.shares.plan
+        try:
+            return get_planner(planner)(profile, self.hw, budget, share, holds=self.holds)
+        except BudgetInfeasibleError as e:
+            reasons, found = [f"{planner}: {refusal(planner, e)}"], []
+        for other in FALLBACK_PLANNERS:
+            if other == planner:
+                continue
+            try:
+                found.append((other, get_planner(other)(profile, self.hw, budget, share, holds=self.holds)))
+            except BudgetInfeasibleError as e:
+                reasons.append(f"{other}: {refusal(other, e)}")
+        if not found:
+            raise BudgetInfeasibleError(f"no planner keeps this step's saved activations within {budget:,} B "
+                                        f"(activation_budget {self.cfg.activation_budget}): " + "; ".join(reasons)
+                                        + ". Raise activation_budget or host_pool_bytes_per_node")
+        other, planned = min(found, key=lambda f: f[1].result.step_s)
+        log.warning("slackswap: planner %s found no plan within %s B (%s); using %s instead (simulated step %.2f ms)",
+                    planner, f"{budget:,}", reasons[0], other, 1e3 * planned.result.step_s)
+        return planned
+
+    def fit_to_device(self, profile: StepProfile, planned: Planned) -> Planned:
+        """`planned` as it should run on this device (module docstring; retimes are logged)."""
+        if Device.current().has_streams:
+            return planned
+        fitted = fit_triggers(profile, planned, self.hw, Hardware.instant_copies(), self.coordinator.shares.plan,
+                              holds=self.holds)
+        if fitted is not planned:
+            log.info("slackswap: copies are synchronous on this device; prefetches retimed so that the plan "
+                     "stays within its budget here (%s -> %s)", planned.plan.digest[:12], fitted.plan.digest[:12])
+        return fitted
+
+    def agree(self, local: StepProfile, budget: int, key: ShapeKey, channel: Channel, peers: list[int] | None = None,
+              use_plan_file: bool = True) -> Agreed:
+        """Steps 1-3 of coordination.py for `local` (this rank's profile of shape `key`): node facts
+        with every rank of the job, the plan made by `channel`'s rank 0 (the lead of `peers`), and
+        its agreement over `channel`."""
+        coordinator = self.coordinator
+        coordinator.exchange_facts(local, budget, f"input shapes {describe(key)}, profile {local.structure_digest[:12]}",
+                                   self.holds, self.offload_pinned_bytes, peers)
+        plan = planned = None
+        if channel.rank == 0:
+            made_for = self.made_for(local, budget, key) if use_plan_file and self.cfg.plan_file else None
+            plan = self.load_plan(local, made_for) if made_for is not None else None
+            if plan is None:
+                planned = self.fit_to_device(local, self.within_budget(local, budget, self.cfg.planner))
+                plan = planned.plan
+                if made_for is not None:
+                    self.save_plan(made_for, plan)
+        profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
+        return Agreed(profile, plan, planned)
+
+    # ---- installing it -----------------------------------------------------------------------------
+    def install(self, state: ShapeState, agreed: Agreed, record: bool = False) -> SimResult:
+        """From now on this shape's steps run the agreed plan: its executor on this rank's host pool,
+        and the prediction reports compare with (on this rank's link share; with `holds` > 1, the
+        other micro-batches' kept bytes on top of the peak). Returns the simulation."""
+        profile, plan, planned = agreed.profile, agreed.plan, agreed.planned
+        shares = self.coordinator.shares
+        if self.pool is None:
+            self.pool = HostPool(shares.own.host_pool_bytes, Device.current())
+        held = held_bytes(profile, plan.decision, self.holds)
+        if planned is not None and planned.plan is plan:
+            schedule = planned.schedule
+        else:
+            schedule = lower(profile, plan)  # this rank's one lowering of a plan it received
+        if planned is not None and shares.own == shares.plan and not record:
+            sim = planned.result  # the planner simulated it on this very share
+        else:  # another share than the plan's, a plan received or read from a file, or a recorded trace
+            sim = simulate(schedule, shares.own.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
+        state.profile, state.plan = profile, plan
+        state.executor = apply(self.module, plan, profile, schedule=schedule, pool=self.pool, replan=self.replan)
+        ideal = keep_all_result(profile, self.hw).step_s
+        state.prediction = Prediction(ideal / sim.step_s if sim.step_s else 1.0, sim.step_s, sim.peak_bytes + held)
+        return sim
+
+    def replan(self, profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
+        """After the verifying step demoted tensors: this rank plans again, locally, with its share
+        (a nondeterministic kernel may misbehave on one rank only; ranks may then differ, logged)."""
+        pinned = profile.without_recompute(failures)
+        planner = plan.planner if plan.planner in PLANNERS else self.cfg.planner
+        return pinned, self.fit_to_device(pinned, self.within_budget(pinned, plan.budget_bytes, planner)).plan
+
+    # ---- plan files --------------------------------------------------------------------------------
+    def made_for(self, profile: StepProfile, budget: int, key: ShapeKey) -> MadeFor:
+        """What a plan made now is made for (planfile.MadeFor)."""
+        share = self.coordinator.shares.plan
+        return MadeFor(
+            inputs=describe(key), structure=profile.structure_digest, budget_bytes=int(budget),
+            hardware=f"{self.hw.name} {self.hw.digest}", planner=self.cfg.planner,
+            share=f"d2h {share.d2h_bps} h2d {share.h2d_bps} pool {share.host_pool_bytes}",
+            world=f"{self.coordinator.job_channel().world} ranks, {self.coordinator.shares.node_ranks} per node")
+
+    def load_plan(self, profile: StepProfile, made_for: MadeFor) -> Plan | None:
+        """The plan_file's plan made for exactly this job (rebuilt for this profile: the same
+        decisions and triggers), or None; a file with none is refused with the reason."""
+        path = self.cfg.plan_file
+        if not path:
+            return None
+        entries = planfile.read(path)  # a malformed or foreign file raises with the reason
+        entry, why = planfile.find(entries, made_for)
+        if entry is None:
+            if why:
+                message = f"plan_file {path!r} has no plan made for this job ({'; '.join(why)})"
+                if self.cfg.plan_file_mismatch == "error":
+                    raise PlanError(message + '; delete the file, or set "plan_file_mismatch": "replan"')
+                log.warning("slackswap: %s: planning afresh", message)
+            return None
+        plan = entry.plan
+        try:
+            plan.check(profile)
+        except PlanError as e:
+            raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
+        log.info("slackswap: using the plan in plan_file %s (%s)", path, plan.digest[:12])
+        return plan.rebuilt(profile)
+
+    def save_plan(self, made_for: MadeFor, plan: Plan) -> None:
+        """Add the plan to plan_file (atomically; rank 0 only); a read-only file is left as it is."""
+        path = self.cfg.plan_file
+        if not path:
+            return
+        if not planfile.writable(path):
+            log.info("slackswap: plan_file %s is read-only: used as it is, not updated", path)
+            return
+        try:
+            planfile.write(path, planfile.upsert(planfile.read(path), planfile.Entry(made_for, plan)))
+        except OSError as e:  # the plan is made and agreed: losing the file must not stop training
+            log.warning("slackswap: could not write plan_file %s (%s); the plan is used, not saved", path, e)
+
+
+def plan_summary(plan: Plan, profile: StepProfile) -> str:
+    """`keep X B, swap Y B, recompute Z B` of a plan, as the plan lines say it."""
+    from .plan import Decision
+
+    split = plan.bytes_by_decision(profile)
+    return (f"keep {split[Decision.KEEP]:,} B, swap {split[Decision.SWAP]:,} B, "
+            f"recompute {split[Decision.RECOMPUTE]:,} B")
+
+
+__all__ = ["Agreed", "FALLBACK_PLANNERS", "PlanMaker", "plan_summary"]

@@ -1,0 +1,61 @@
+"""What a job reports while it trains: measured steps against the plan's prediction, every
+`log_every` planned steps (rank 0: the logger filters the others), and Chrome traces of the
+predicted and the first measured step (`trace_file`)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from typing import Mapping
+
+from .config import SlackSwapConfig
+from .hardware import Hardware
+from .logs import log
+from .plan import Plan
+from .shapes import Prediction
+
+
+class StepReports:
+    """Counts planned steps since the last report; every `log_every` of them, one line measured
+    against predicted, and a warning if saved tensors fell back to kept."""
+
+    def __init__(self, cfg: SlackSwapConfig, hw: Hardware):
+        self.cfg, self.hw = cfg, hw
+        self._start()
+
+    def _start(self) -> None:
+        self.since: float | None = None
+        self.steps = 0
+        self.peak = 0
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+
+    def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int]) -> None:
+        now = time.perf_counter()
+        if self.since is None:
+            self.since = now
+        self.steps += 1
+        self.peak = max(self.peak, peak_bytes)
+        self.fallbacks.update(fallbacks)
+        if not self.cfg.log_every or self.steps < self.cfg.log_every:
+            return
+        seconds = (now - self.since) / self.steps
+        log.info("slackswap: last %d planned steps: %.1f ms per step (wall clock, optimizer included; the plan "
+                 "predicts %.1f ms for forward and backward on %s), peak of saved activations %s B (predicted %s B, "
+                 "budget %s B)", self.steps, 1e3 * seconds, 1e3 * prediction.step_s, self.hw.name,
+                 f"{self.peak:,}", f"{prediction.peak_bytes:,}", f"{plan.budget_bytes:,}")
+        if self.fallbacks:
+            log.warning("slackswap: in the last %d steps, saved tensors kept instead of planned: %s", self.steps,
+                        ", ".join(f"{n} x {why}" for why, n in sorted(self.fallbacks.items())))
+        self._start()
+
+
+def trace_path(trace_file: str, kind: str) -> str:
+    """`trace_file` for the measured step; <stem>.<kind><suffix> beside it for the prediction."""
+    if kind == "measured":
+        return trace_file
+    root, ext = os.path.splitext(trace_file)
+    return f"{root}.{kind}{ext or '.json'}"
+
+
+__all__ = ["StepReports", "trace_path"]

@@ -1,0 +1,125 @@
+"""Input shapes and the plans kept for them.
+
+A step's shape key is the shape and dtype of every tensor it takes (its forward's arguments, a
+pipeline micro-batch's inputs and labels). Each shape gets its own profile, plan and executor
+(`ShapeState`); at most `max_shapes` are kept, the least recently used dropped first (`ShapeCache`),
+and `ShapeCache.runner_for` says how a step of a shape runs: under its plan, profiled, or plain.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .plan import Plan
+from .profile import StepProfile
+from .runtime.executor import Executor
+from .runtime.host_pool import HostPool
+
+log = logging.getLogger("slackswap_ds")
+
+ShapeKey = tuple[tuple[tuple[int, ...], str], ...]  # ((shape, dtype), ...) of a step's tensors
+
+
+def shape_key(args: tuple, kwargs: dict) -> ShapeKey:
+    from torch.utils._pytree import tree_flatten
+
+    leaves = tree_flatten((args, kwargs))[0]
+    return tuple((tuple(t.shape), str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def describe(key: ShapeKey) -> str:
+    """A shape key as people read it: `(2, 64) torch.int64; (2, 64) torch.int64`."""
+    return "; ".join(f"{tuple(shape)} {dtype}" for shape, dtype in key)
+
+
+def shapes_of(key: ShapeKey) -> list[tuple[int, ...]]:
+    return [shape for shape, _ in key]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the simulator predicts for a plan on this rank's link share."""
+
+    throughput: float = math.nan  # of the keep-all ideal
+    step_s: float = math.nan  # forward and backward
+    peak_bytes: int = 0  # device-resident saved bytes, the held micro-batches' included
+
+
+@dataclass
+class ShapeState:
+    """One input shape's profile, plan, executor and prediction (None until planned)."""
+
+    profile: StepProfile | None = None
+    plan: Plan | None = None
+    executor: Executor | None = None
+    prediction: Prediction = field(default_factory=Prediction)
+
+
+class Run(enum.Enum):
+    """How a step of a shape runs."""
+
+    PLANNED = "planned"  # under its shape's executor
+    PROFILE = "profile"  # profiled (a shape without a plan yet)
+    PLAIN = "plain"  # as plain DeepSpeed (a new shape when re-planning is off)
+
+
+class ShapeCache:
+    """The ShapeStates of at most `max_shapes` input shapes, least recently used first."""
+
+    def __init__(self, max_shapes: int, replan: str):
+        self.max_shapes, self.replan = max_shapes, replan
+        self.states: "collections.OrderedDict[ShapeKey, ShapeState]" = collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __iter__(self):
+        return iter(self.states)
+
+    def __getitem__(self, key: ShapeKey) -> ShapeState:
+        return self.states[key]
+
+    def get(self, key: ShapeKey) -> ShapeState | None:
+        return self.states.get(key)
+
+    def items(self):
+        return self.states.items()
+
+    def values(self):
+        return self.states.values()
+
+    def runner_for(self, key: ShapeKey, pool: HostPool | None, add: bool = True) -> Run:
+        """How the next step of `key` runs. A planned shape becomes the most recently used; a new
+        one that is to be profiled gets its (empty) state now, after room is made for it (unless
+        not `add`: a pipeline batch profiles one micro-batch, the others of new shapes wait)."""
+        state = self.states.get(key)
+        if state is not None and state.executor is not None:
+            self.states.move_to_end(key)
+            return Run.PLANNED
+        if state is None and self.states and self.replan == "never":
+            return Run.PLAIN  # shapes changed, no re-planning: plain steps for these shapes
+        if state is None and add:
+            self._make_room(pool)
+            self.states[key] = ShapeState()
+        return Run.PROFILE
+
+    def _make_room(self, pool: HostPool | None) -> None:
+        """Before a new shape: keep at most `max_shapes - 1` others, dropping the least recently used."""
+        dropped = []
+        while len(self.states) >= self.max_shapes:
+            key, _ = self.states.popitem(last=False)
+            dropped.append(shapes_of(key))
+        if dropped:
+            freed = pool.trim() if pool is not None else 0
+            log.info("slackswap: max_shapes=%d plans kept; dropped the least recently used (input shapes %s; "
+                     "%s B of pinned host memory freed); they are profiled again if they come back",
+                     self.max_shapes, dropped, f"{freed:,}")
+
+
+__all__ = ["Prediction", "Run", "ShapeCache", "ShapeKey", "ShapeState", "describe", "shape_key", "shapes_of"]
