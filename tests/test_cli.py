@@ -9,9 +9,9 @@ import json
 import pytest
 
 from slackswap_ds.cli import main, parse_budget
-from slackswap_ds.hardware import load_node, preset_names
-from slackswap_ds.plan import Plan
-from slackswap_ds.planners import PLANNERS
+from slackswap_ds.hardware import load_hardware, load_node, preset_names
+from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.planners import PLANNERS, get_planner
 from slackswap_ds.report import MEMORY_COUNTER, short_source, trace_busy_us
 from slackswap_ds.workloads import PRESETS, workload, workload_names
 
@@ -48,13 +48,21 @@ def test_json_rows_keys_and_types(capsys):
             assert 0 < r["throughput_pct"] <= 100.0 + 1e-9
             assert r["step_s"] >= r["ideal_s"] * (1 - 1e-12)
             assert r["throughput_pct"] == pytest.approx(100 * r["ideal_s"] / r["step_s"])
-            assert r["swapped_bytes"] >= 0 and r["recomputed_bytes"] >= 0
+            # the bytes of the plan's SWAP and RECOMPUTE decisions, summed here from the same planner's plan
+            plan = get_planner(r["planner"])(profile, load_hardware(r["hardware"]), r["budget_bytes"]).plan
+            fate = {d: sum(a.bytes for a in profile.activations if plan.decision[a.key] is d) for d in Decision}
+            assert (r["swapped_bytes"], r["recomputed_bytes"]) == (fate[Decision.SWAP], fate[Decision.RECOMPUTE])
+            # what is kept stays on the device through the peak: the rest leaves it
+            assert r["swapped_bytes"] + r["recomputed_bytes"] >= profile.total_bytes - r["budget_bytes"]
             assert set(r["stall_s"]) == {"compute", "d2h", "h2d"}
         else:
             assert isinstance(r["error"], str) and r["error"]
     keep_all = rows[FAST.index("keep-all")]  # the keep-all peak is twice a 50% budget
     assert keep_all["feasible"] is False and keep_all["throughput_pct"] is None
-    assert rows[FAST.index("full-recompute")]["feasible"] is True
+    full_recompute, offload_all = rows[FAST.index("full-recompute")], rows[FAST.index("offload-all")]
+    assert full_recompute["feasible"] is True
+    assert full_recompute["recomputed_bytes"] > 0 and full_recompute["swapped_bytes"] == 0
+    assert offload_all["swapped_bytes"] > 0 and offload_all["recomputed_bytes"] == 0
 
 
 def test_full_budget_fits_every_planner(capsys):

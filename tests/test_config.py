@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pydantic
 import pytest
 
 from slackswap_ds.budget import parse_size
@@ -97,8 +98,11 @@ def test_missing_section_is_disabled_and_empty_section_enabled():
 
 def test_frozen():
     cfg = load_config({"slackswap": {}})
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError) as refused:
         cfg.enabled = False  # type: ignore[misc]
+    # pydantic's own refusal of an assignment to a frozen model, for that field, and nothing changed
+    assert [(e["type"], e["loc"]) for e in refused.value.errors()] == [("frozen_instance", ("enabled",))]
+    assert cfg.enabled is True
 
 
 def test_full_section_normalised(tmp_path):
