@@ -1,5 +1,4 @@
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -7,6 +6,8 @@ import pytest
 
 from slackswap_ds.hardware import Hardware, load_hardware
 from slackswap_ds.profile import Activation, Op, StepProfile
+
+from jobs import free_loopback_port
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -62,13 +63,6 @@ def two_region_profile() -> StepProfile:
 
 
 # ---- a real single-rank process group (gloo on 127.0.0.1) for in-process DeepSpeed tests -----
-def free_loopback_port() -> int:
-    """A free TCP port on 127.0.0.1 (for launchers and process groups in tests: loopback only)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def single_process_group():
     """torch.distributed and deepspeed.comm for one rank on loopback, torn down at the end of the

@@ -1,10 +1,8 @@
-"""ss.initialize under the real DeepSpeed launcher on CPU (2 ranks, loopback only)."""
+"""ss.initialize under the real DeepSpeed launcher on CPU (2 ranks, loopback only), and the
+runtime's lifecycle in process (one rank, no launcher)."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,24 +12,18 @@ from slackswap_ds.engine import SlackSwapRuntime
 from slackswap_ds.errors import InvalidFileError, PlanError
 from slackswap_ds.plan import Decision
 
-ROOT = Path(__file__).resolve().parents[1]
+from jobs import ROOT, deepspeed_line, launch_in_turn, run_launch
+
 pytest.importorskip("deepspeed")
 
 
 def launch(tmp_path: Path, name: str, config: dict, steps: int) -> tuple[list[float], str]:
+    """launch/train.py, the README's job, under `deepspeed --num_gpus 2`: its losses and output."""
     cfg_path = tmp_path / f"{name}.json"
     cfg_path.write_text(json.dumps(config))
     losses = tmp_path / f"{name}.losses.json"
-    # one thread per rank: with several, how CPU kernels split their sums can follow the machine's
-    # load, and two runs of the *same* model then differ in the last bits
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1",
-           "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(29500 + os.getpid() % 1000), str(ROOT / "launch" / "train.py"),
-           "--deepspeed_config", str(cfg_path), "--steps", str(steps), "--losses", str(losses)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = run_launch(deepspeed_line(2, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg_path),
+                                    "--steps", str(steps), "--losses", str(losses)))
     return json.loads(losses.read_text()), out
 
 
@@ -41,15 +33,40 @@ def base_config(stage: int) -> dict:
     return config
 
 
-@pytest.mark.parametrize("stage, steps", [(0, 20), (1, 6), (2, 6), (3, 6)])
-def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(tmp_path, stage, steps):
-    on = base_config(stage)
+ZERO_STAGES = [(0, 20), (1, 6), (2, 6), (3, 6)]  # (stage, steps)
+
+
+def zero_stage_config(stage: int, enabled: bool) -> dict:
+    config = base_config(stage)
     if stage == 1:  # the two ranks as a DGX A100's GPUs 0 and 1: behind one switch, sharing its uplink
-        on["slackswap"].update(node="dgx-a100", host_pool_bytes_per_node="1GiB")
-    off = json.loads(json.dumps(on))
-    off["slackswap"]["enabled"] = False
-    losses_on, log_on = launch(tmp_path, "on", on, steps)
-    losses_off, log_off = launch(tmp_path, "off", off, steps)
+        config["slackswap"].update(node="dgx-a100", host_pool_bytes_per_node="1GiB")
+    config["slackswap"]["enabled"] = enabled
+    return config
+
+
+@pytest.fixture(scope="module")
+def zero_stages_job(tmp_path_factory) -> dict[str, tuple[list[float], str]]:
+    """launch/train.py under every ZeRO stage, disabled and enabled, in one 2-rank launch
+    (tests/launch/in_turn.py: each run is train.py's main, a fresh model from its seed): the
+    losses and the output of each run, by name ("off0".."off3", "on0".."on3"). The disabled runs
+    come first: the references are trained in processes where SlackSwap has not yet run."""
+    tmp = tmp_path_factory.mktemp("zero_stages")
+    runs = []
+    for enabled in (False, True):
+        for stage, steps in ZERO_STAGES:
+            name = f"{'on' if enabled else 'off'}{stage}"
+            (tmp / f"{name}.json").write_text(json.dumps(zero_stage_config(stage, enabled)))
+            runs.append([name, ["--deepspeed_config", str(tmp / f"{name}.json"), "--steps", str(steps),
+                                "--losses", str(tmp / f"{name}.losses.json")]])
+    (tmp / "runs.json").write_text(json.dumps(runs))
+    logs = launch_in_turn(2, ROOT / "launch" / "train.py", runs, tmp)
+    return {name: (json.loads((tmp / f"{name}.losses.json").read_text()), logs[name]) for name, _ in runs}
+
+
+@pytest.mark.parametrize("stage, steps", ZERO_STAGES)
+def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(zero_stages_job, stage, steps):
+    losses_on, log_on = zero_stages_job[f"on{stage}"]
+    losses_off, log_off = zero_stages_job[f"off{stage}"]
     assert len(losses_on) == steps and losses_on == losses_off
     # one plan line for the job (rank 0's: the ranks' shares are equal, so rank 1 has nothing to add),
     # agreed by both ranks over torch.distributed (no MPI launcher)
@@ -59,11 +76,10 @@ def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(tmp_path, 
     assert shares == [("12.5", "12.5")] if stage == 1 else len(shares) == 1
     assert log_on.count("profiling a step of input shapes") == 1
     measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
-    profile_steps = on["slackswap"]["profile_steps"]
+    profile_steps = base_config(stage)["slackswap"]["profile_steps"]
     assert len(measured) == steps - profile_steps - 1  # the step after the safe ones is profiled
     assert all(a <= b for a, b in measured)
     assert "slackswap rank" not in log_off
-
 
 
 def _gpt2(hidden=64):

@@ -11,21 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_loopback_port
 
-ROOT = Path(__file__).resolve().parents[1]
+from jobs import ROOT, cpu_env, deepspeed_line, free_loopback_port, run_launch
+
 LAUNCH = ROOT / "launch"
 BASH = shutil.which("bash")
 
 pytestmark = pytest.mark.skipif(BASH is None, reason="bash is not installed")
-
-
-def cpu_env(**extra: str) -> dict:
-    # loopback only; one thread per rank so that two launchers give bit-identical losses
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    env.update(extra)
-    return env
 
 
 def mpi_flavor() -> str | None:
@@ -44,10 +36,8 @@ def mpi_flavor() -> str | None:
     return None
 
 
-def run(cmd: list[str], env: dict, losses: Path, timeout: int = 600) -> tuple[list[float], str]:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+def run(cmd: list[str], env: dict, losses: Path) -> tuple[list[float], str]:
+    out = run_launch(cmd, env)
     return json.loads(losses.read_text()), out
 
 
@@ -61,9 +51,7 @@ def reference_losses(tmp_path_factory) -> list[float]:
     if mpi_flavor() is None:
         pytest.skip("no mpiexec / mpirun (MPICH or Open MPI) on PATH")
     ref_file = tmp_path_factory.mktemp("reference") / "deepspeed.json"
-    ref, _ = run([sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-                  "--master_port", str(free_loopback_port()), "launch/train.py", *TRAIN_ARGS, "--losses", str(ref_file)],
-                 cpu_env(), ref_file)
+    ref, _ = run(deepspeed_line(2, "launch/train.py", *TRAIN_ARGS, "--losses", str(ref_file)), cpu_env(), ref_file)
     assert len(ref) == 4
     return ref
 
@@ -95,10 +83,9 @@ def test_deepspeed_mpich_launcher_on_loopback(tmp_path, reference_losses):
     if mpi_flavor() != "mpich" or shutil.which("mpirun") is None:
         pytest.skip("DeepSpeed's MPICH launcher needs MPICH's mpirun on PATH")
     losses_file = tmp_path / "mpich.json"
-    losses, out = run([sys.executable, "-m", "deepspeed.launcher.runner", "--launcher", "mpich",
-                       "--launcher_args=-iface lo", "--no_ssh_check", "--force_multi",
-                       "--hostfile", "launch/hostfile.localhost", "--master_addr", "127.0.0.1",
-                       "--master_port", str(free_loopback_port()), "launch/train.py", *TRAIN_ARGS, "--losses", str(losses_file)],
+    losses, out = run(deepspeed_line(None, "--launcher", "mpich", "--launcher_args=-iface lo", "--no_ssh_check",
+                                     "--force_multi", "--hostfile", "launch/hostfile.localhost", "launch/train.py",
+                                     *TRAIN_ARGS, "--losses", str(losses_file)),
                       cpu_env(UCX_NET_DEVICES="lo"), losses_file)
     cmd = next(line for line in out.splitlines() if "cmd = mpirun" in line)
     assert "-n 2 -ppn 2 -iface lo" in cmd and "-genv MASTER_ADDR 127.0.0.1" in cmd

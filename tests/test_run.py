@@ -4,15 +4,14 @@ ranks (loopback only); their losses equal the same job with `"enabled": false`. 
 itself: routes deepspeed.initialize without recursion, idempotent, undone by `uninstall()`."""
 
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from jobs import ROOT, accelerate_line, cpu_env, deepspeed_line, run_launch, torchrun_line
+
 SCRIPTS = ROOT / "tests" / "adoption"
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
@@ -20,35 +19,21 @@ pytest.importorskip("transformers")
 SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g-pcie4"}
 
 
-def _env() -> dict:
-    # one thread per rank: two runs of the same job then agree to the last bit (see test_engine)
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-
-
-def _port(offset: int) -> str:
-    return str(29800 + (os.getpid() + offset) % 100)
-
-
-def launch(tmp_path: Path, launcher: str, script: str, config: dict, enabled: bool) -> tuple[list[float], str]:
+def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool) -> tuple[list[float], str]:
+    """tests/adoption/<script>.py through `python -m slackswap_ds.run` under a launcher, on 2 ranks:
+    its losses and output."""
     config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled}}
     name = f"{script}.{launcher}.{'on' if enabled else 'off'}"
     cfg, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
     cfg.write_text(json.dumps(config))
     target = [str(SCRIPTS / f"{script}.py"), "--deepspeed_config", str(cfg), "--losses", str(losses)]
     if launcher == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_addr", "127.0.0.1",
-               "--master_port", _port(1), "--module", "slackswap_ds.run", *target]
+        cmd = deepspeed_line(2, "--module", "slackswap_ds.run", *target)
     elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", _port(2), "-m", "slackswap_ds.run", *target]
-    else:  # accelerate
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed", "--deepspeed_config_file",
-               str(cfg), "--num_processes", "2", "--num_machines", "1", "--main_process_ip", "127.0.0.1",
-               "--main_process_port", _port(3), "-m", "slackswap_ds.run", *target]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+        cmd = torchrun_line(2, "-m", "slackswap_ds.run", *target)
+    else:
+        cmd = accelerate_line(2, cfg, "-m", "slackswap_ds.run", *target)
+    out = run_launch(cmd, timeout=900)
     return json.loads(losses.read_text()), out
 
 
@@ -65,15 +50,30 @@ HF = {**DEEPSPEED, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulat
 ACCELERATE = {k: v for k, v in DEEPSPEED.items() if k != "optimizer"}  # the script brings its optimizer
 
 
+@pytest.fixture(scope="module")
+def disabled_run(tmp_path_factory):
+    """The job with `"enabled": false`, run once per script: a script and its JSON give the same
+    losses under any launcher, so the cases of one script under two launchers share one reference
+    (under the launcher of the first case that asks for it)."""
+    runs = {}
+
+    def run(launcher: str, script: str, config: dict) -> tuple[list[float], str]:
+        if script not in runs:
+            runs[script] = launch(tmp_path_factory.mktemp(script), launcher, script, config, enabled=False)
+        return runs[script]
+
+    return run
+
+
 @pytest.mark.parametrize("launcher, script, config", [
     ("deepspeed", "plain_deepspeed", DEEPSPEED),
     ("torchrun", "plain_deepspeed", DEEPSPEED),
     ("deepspeed", "hf_trainer", HF),
     ("accelerate", "accelerate_plugin", ACCELERATE),
 ], ids=["deepspeed-script", "torchrun-script", "hf-trainer", "accelerate-plugin"])
-def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, launcher, script, config):
+def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_run, launcher, script, config):
     losses_on, out_on = launch(tmp_path, launcher, script, config, enabled=True)
-    losses_off, out_off = launch(tmp_path, launcher, script, config, enabled=False)
+    losses_off, out_off = disabled_run(launcher, script, config)
     assert len(losses_on) == 6 and losses_on == losses_off
     assert plans_logged(out_on) == ["0"] and "agreed over torch.distributed by 2 ranks" in out_on
     assert plans_logged(out_off) == []
@@ -119,10 +119,10 @@ def test_run_hands_the_script_its_arguments(tmp_path):
     script.write_text("import sys, json, deepspeed, slackswap_ds as ss\n"
                       "print(json.dumps([sys.argv, deepspeed.initialize is ss.initialize, __name__]))\n")
     cmd = [sys.executable, "-m", "slackswap_ds.run", "--local_rank=1", str(script), "--a", "b"]
-    out = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    out = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     argv, routed, name = json.loads(out.stdout.strip().splitlines()[-1])
     assert argv == [str(script), "--local_rank=1", "--a", "b"] and routed and name == "__main__"
     missing = subprocess.run([sys.executable, "-m", "slackswap_ds.run", str(tmp_path / "nope.py")], cwd=ROOT,
-                             env=_env(), capture_output=True, text=True, timeout=300)
+                             env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "no such script" in missing.stderr

@@ -8,20 +8,15 @@ stage's replicas. Faults during agreement are named by every surviving rank with
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_loopback_port
+
+from jobs import FAULT_TIMEOUT_S, ROOT, TRANSPORTS, Job, assert_named, launch_in_turn, run_ranks
 
 pytest.importorskip("deepspeed")
 
-import test_faults  # noqa: E402  (its launchers and its check that every survivor names the culprit)
-
-ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "pipe" / "worker.py"
 
 
@@ -32,44 +27,31 @@ def config(ranks: int, enabled: bool, **slackswap) -> dict:
                           "profile_steps": 1, "log_level": "info", **slackswap}}
 
 
-def launch(tmp: Path, ranks: int, enabled: bool) -> tuple[list[dict], str]:
-    """The job through the deepspeed launcher: every rank's report, and the job's output."""
-    name = f"{ranks}{'on' if enabled else 'off'}"
-    out = tmp / name
-    out.mkdir()
-    cfg = tmp / f"{name}.json"
-    cfg.write_text(json.dumps(config(ranks, enabled)))
-    text = deepspeed_run(ranks, [str(WORKER), "--config", str(cfg), "--out", str(out)])
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)], text
-
-
-def deepspeed_run(ranks: int, argv: list[str]) -> str:
-    """`deepspeed --num_gpus ranks argv...` on CPU over loopback; its output (it must succeed)."""
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_loopback_port()), *argv]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    text = proc.stdout + proc.stderr
-    assert proc.returncode == 0, text[-4000:]
-    return text
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["2-stages", "2-stages-x-2-dp"])
-def jobs(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(f"pipe{request.param}")
-    return request.param, launch(tmp, request.param, True), launch(tmp, request.param, False)
+def pipeline_jobs(request, tmp_path_factory):
+    """The job disabled, then enabled, in one launch (tests/launch/in_turn.py runs the worker's main
+    once per config; the reference is trained before SlackSwap ran in these processes): the ranks,
+    and for each run every rank's report and the run's output."""
+    ranks, tmp = request.param, tmp_path_factory.mktemp(f"pipe{request.param}")
+    runs = []
+    for name in ("off", "on"):
+        (tmp / f"{name}.json").write_text(json.dumps(config(ranks, name == "on")))
+        (tmp / name).mkdir()
+        runs.append([name, ["--config", str(tmp / f"{name}.json"), "--out", str(tmp / name)]])
+    logs = launch_in_turn(ranks, WORKER, runs, tmp)
+    reports = {name: [json.loads((tmp / name / f"rank{r}.json").read_text()) for r in range(ranks)] for name, _ in runs}
+    return ranks, (reports["on"], logs["on"]), (reports["off"], logs["off"])
 
 
-def test_training_is_exact(jobs):
-    _, (on, _), (off, _) = jobs
+def test_training_is_exact(pipeline_jobs):
+    _, (on, _), (off, _) = pipeline_jobs
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"] and len(a["losses"]) == 4
         assert a["parameters"] == b["parameters"], f"rank {a['rank']}: parameters differ after 4 batches"
 
 
-def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(jobs):
-    _, (on, _), _ = jobs
+def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(pipeline_jobs):
+    _, (on, _), _ = pipeline_jobs
     for r in on:
         assert r["layers"] == 4  # the PipelineModule's layers are the plan's regions (4 per stage)
         # 1F1B on 2 stages with 4 micro-batches: stage 0 holds 2 at once, stage 1 one
@@ -79,8 +61,8 @@ def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(job
         assert r["peak"] <= r["predicted_peak"]  # CPU copies are synchronous: never above the plan's peak
 
 
-def test_one_plan_per_stage_logged_once_the_same_on_replicas(jobs):
-    ranks, (on, text), (_, text_off) = jobs
+def test_one_plan_per_stage_logged_once_the_same_on_replicas(pipeline_jobs):
+    ranks, (on, text), (_, text_off) = pipeline_jobs
     digests = {r["stage"]: r["digest"] for r in on}
     assert digests[0] != digests[1]
     for r in on:
@@ -94,53 +76,53 @@ def test_one_plan_per_stage_logged_once_the_same_on_replicas(jobs):
     assert "slackswap" not in text_off.lower().replace("slackswap_ds", "")
 
 
-def fault_job(tmp_path: Path, transport: str, scenario: str) -> test_faults.Job:
+def fault_job(tmp_path: Path, transport: str, scenario: str) -> Job:
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps(config(4, True, sync_timeout_s=test_faults.TIMEOUT_S)))
+    cfg.write_text(json.dumps(config(4, True, sync_timeout_s=FAULT_TIMEOUT_S)))
     (tmp_path / "out").mkdir()
-    args = [str(WORKER), "--config", str(cfg), "--out", str(tmp_path / "out"), "--fault", scenario]
-    run = test_faults.run_torch if transport == "torch" else test_faults.run_mpi
-    return run(scenario, args=args)
+    return run_ranks(transport, [str(WORKER), "--config", str(cfg), "--out", str(tmp_path / "out"), "--fault", scenario])
 
 
-@pytest.mark.parametrize("transport", test_faults.TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_stage_rank_stopped_at_its_stages_agreement_is_named_by_every_rank(tmp_path, transport):
     # rank 3 is stage 1's second rank: its stage's first rank (2) names it; stage 0's ranks, done
     # with their own agreement, hear it in the job-wide round
     job = fault_job(tmp_path, transport, "stop3-agree")
-    test_faults.assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
+    assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
 
 
 def test_a_stage_rank_dead_at_its_stages_agreement_is_named_by_every_rank(tmp_path):
     # (under MPI the launcher ends the whole job when a rank exits: nothing waits on the dead rank)
     job = fault_job(tmp_path, "torch", "kill3-agree")
-    test_faults.assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
+    assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
 
 
 def test_a_stage_rank_dead_before_the_node_facts_is_named_by_every_rank(tmp_path):
     job = fault_job(tmp_path, "torch", "kill1-facts")
-    test_faults.assert_named(job, [0, 2, 3], r"ranks \[1\] did not send their node facts")
+    assert_named(job, [0, 2, 3], r"ranks \[1\] did not send their node facts")
 
 
 def test_launch_train_pipe_with_tensor_parallel_shards_is_exact(tmp_path):
     """launch/train_pipe.py: 2 stages x 2 Megatron-style tensor-parallel shards (column- and
     row-parallel layers, all-reduces in forward and backward) on 4 ranks. A stage's shards agree on
     one plan (their saved tensors have the same shapes); parameters bit-equal to the disabled run."""
-    cfg = json.loads((ROOT / "configs" / "slackswap_pipe.json").read_text())
-    reports = {}
-    for enabled in (True, False):
+    runs = []
+    for enabled in (False, True):  # the reference first: trained before SlackSwap ran in these processes
+        cfg = json.loads((ROOT / "configs" / "slackswap_pipe.json").read_text())
         cfg["slackswap"]["enabled"] = enabled
-        path, out = tmp_path / f"{enabled}.json", tmp_path / f"out{enabled}"
-        path.write_text(json.dumps(cfg))
-        out.mkdir()
-        text = deepspeed_run(4, [str(ROOT / "launch" / "train_pipe.py"), "--stages", "2", "--tp", "2", "--steps", "4",
-                                 "--report", str(out), "--deepspeed_config", str(path)])
-        reports[enabled] = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-        if enabled:
-            for stage in (0, 1):
-                budget = re.search(rf"stage {stage}: saved activations ([\d.]+) KiB .* budget ([\d.]+) KiB", text)
-                assert budget and float(budget.group(1)) <= float(budget.group(2)), text[-3000:]
-    on, off = reports[True], reports[False]
+        name = "on" if enabled else "off"
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        (tmp_path / name).mkdir()
+        runs.append([name, ["--stages", "2", "--tp", "2", "--steps", "4", "--report", str(tmp_path / name),
+                            "--deepspeed_config", str(tmp_path / f"{name}.json")]])
+    # both runs of launch/train_pipe.py in one launch of 4 ranks (tests/launch/in_turn.py)
+    text = launch_in_turn(4, ROOT / "launch" / "train_pipe.py", runs, tmp_path)["on"]
+    for stage in (0, 1):
+        budget = re.search(rf"stage {stage}: saved activations ([\d.]+) KiB .* budget ([\d.]+) KiB", text)
+        assert budget and float(budget.group(1)) <= float(budget.group(2)), text[-3000:]
+    reports = {name: [json.loads((tmp_path / name / f"rank{r}.json").read_text()) for r in range(4)]
+               for name in ("on", "off")}
+    on, off = reports["on"], reports["off"]
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"] and a["parameters"] == b["parameters"], f"rank {a['rank']} differs"
     assert on[0]["stage"] == on[1]["stage"] == 0 and on[2]["stage"] == on[3]["stage"] == 1

@@ -18,16 +18,16 @@ rank's error from there.
 """
 
 import os
-import signal
 import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fault hooks
+from fault_hooks import fault_before, ranks_from_mpi, say, stop_here  # noqa: E402
+
 if __name__ == "__main__":
-    for mpi, ours in (("PMI_RANK", "RANK"), ("PMI_SIZE", "WORLD_SIZE"), ("MPI_LOCALRANKID", "LOCAL_RANK")):
-        if mpi in os.environ:  # an MPI launch: DeepSpeed reads the torch.distributed variables
-            os.environ[ours] = os.environ[mpi]
-    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    ranks_from_mpi()  # before DeepSpeed reads them
 
 import slackswap_ds as ss  # noqa: E402
 from slackswap_ds import coordination, plans  # noqa: E402
@@ -54,28 +54,6 @@ class Tiny(torch.nn.Module):
         return x.square().mean()
 
 
-def say(text: str) -> None:
-    """One write per line: lines of several ranks that share a pipe (mpiexec's) never interleave."""
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
-def stop_here():
-    say(f"FAULT-TEST stopping {os.environ['RANK']}")
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def fault_before(name: str, fault, module=plans):
-    """Run `fault` when module.<name> (an agreement function the runtime calls) is next called on this rank."""
-    real = getattr(module, name)
-
-    def faulty(*args, **kwargs):
-        fault()
-        return real(*args, **kwargs)
-
-    setattr(module, name, faulty)
-
-
 def main(scenario: str, timeout_s: float) -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
@@ -87,11 +65,11 @@ def main(scenario: str, timeout_s: float) -> None:
                             "sync": "mpi" if scenario == "sync-mpi" else "auto"}}
     engine, _, _, _ = ss.initialize(model=model, model_parameters=model.parameters(), config=config)
     if scenario == "stop0-plan" and rank == 0:
-        fault_before("agree", stop_here)
+        fault_before(plans, "agree", stop_here)
     if scenario == "stop3-agree" and rank == 3:
-        fault_before("agree", stop_here)
+        fault_before(plans, "agree", stop_here)
     if scenario == "kill2-facts" and rank == 2:
-        fault_before("exchange", lambda: os._exit(1), coordination)  # the node facts
+        fault_before(coordination, "exchange", lambda: os._exit(1))  # the node facts
     seq = 8
     for step in range(1, 5):
         if step == 2 or (scenario == "newshape23" and step == 3):

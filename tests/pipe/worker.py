@@ -3,6 +3,8 @@
 
     deepspeed --num_gpus N tests/pipe/worker.py --config CONFIG.json --out DIR [--fault SCENARIO]
 
+(tests/launch/in_turn.py runs its main once per config in one launch.)
+
 Every rank writes DIR/rank<r>.json: its stage, the batches' losses, and under SlackSwap its plan's
 digest and budget, every stage's digest, and the peak of saved bytes measured in the planned
 batches. Fault scenarios (the faulty rank in the name; each rank prints `FAULT-TEST enter <rank>`
@@ -16,19 +18,18 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
-import deepspeed
-import torch
-from deepspeed.pipe import PipelineModule
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the fault hooks
+from fault_hooks import fault_before, ranks_from_mpi, say, stop_here  # noqa: E402
 
 if __name__ == "__main__":
-    for mpi, ours in (("PMI_RANK", "RANK"), ("PMI_SIZE", "WORLD_SIZE"), ("MPI_LOCALRANKID", "LOCAL_RANK")):
-        if mpi in os.environ:  # an MPI launch: DeepSpeed reads the torch.distributed variables
-            os.environ[ours] = os.environ[mpi]
-    os.environ.setdefault("LOCAL_RANK", os.environ.get("RANK", "0"))
+    ranks_from_mpi()  # before DeepSpeed reads them
+
+import deepspeed  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.pipe import PipelineModule  # noqa: E402
 
 import slackswap_ds as ss  # noqa: E402
 from slackswap_ds import coordination, plans  # noqa: E402
@@ -47,34 +48,13 @@ class Block(torch.nn.Module):
         return x + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x)))))
 
 
-def say(text: str) -> None:
-    sys.stdout.write(text + "\n")
-    sys.stdout.flush()
-
-
-def fault_before(name: str, fault, module=plans) -> None:
-    """Run `fault` when module.<name> (an agreement function the runtime calls) is next called."""
-    real = getattr(module, name)
-
-    def faulty(*args, **kwargs):
-        fault()
-        return real(*args, **kwargs)
-
-    setattr(module, name, faulty)
-
-
-def stop_here() -> None:
-    say(f"FAULT-TEST stopping {os.environ['RANK']}")
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
-def main() -> None:
+def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--local_rank", type=int, default=0)
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--fault", default="")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
@@ -85,11 +65,11 @@ def main() -> None:
     engine, *_ = ss.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
                                config=config)
     if args.fault == "stop3-agree" and rank == 3:
-        fault_before("agree", stop_here)
+        fault_before(plans, "agree", stop_here)
     if args.fault == "kill3-agree" and rank == 3:
-        fault_before("agree", lambda: os._exit(1))
+        fault_before(plans, "agree", lambda: os._exit(1))
     if args.fault == "kill1-facts" and rank == 1:
-        fault_before("exchange", lambda: os._exit(1), coordination)  # the node facts are the first exchange
+        fault_before(coordination, "exchange", lambda: os._exit(1))  # the node facts are the first exchange
 
     def batches():
         g = torch.Generator().manual_seed(1 + engine.grid.data_parallel_id)
@@ -115,7 +95,8 @@ def main() -> None:
     say(f"FAULT-TEST done {rank}")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
