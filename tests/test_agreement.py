@@ -1,38 +1,22 @@
 """Plan agreement over the torch.distributed store (the transport when MPI did not launch the job):
 real gloo process groups of 4 ranks on 127.0.0.1, one process per rank. The MPI transport runs the
-same protocol in tests/test_dist.py."""
-
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
+same protocol in tests/test_dist.py; a tampered plan is checked here under both transports."""
 
 import pytest
 
 from slackswap_ds.agreement import Solo, agree, exchange
 from slackswap_ds.hardware import load_node
 from slackswap_ds.workloads import workload
-from conftest import free_loopback_port
 
-ROOT = Path(__file__).resolve().parents[1]
+from jobs import ROOT, TRANSPORTS, rank_rows
+
 WORKER = ROOT / "tests" / "torch_dist" / "worker.py"
+MPI_WORKER = ROOT / "tests" / "mpi" / "worker.py"  # the same protocol under mpiexec (tests/test_dist.py)
 
 
 def run_ranks(scenario: str, timeout_s: float = 60, n: int = 4) -> list[dict]:
-    with tempfile.TemporaryDirectory() as out:
-        port = free_loopback_port()
-        procs = []
-        for rank in range(n):
-            env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n), "SLACKSWAP_TEST_OUT": out}
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), scenario, str(timeout_s)], cwd=ROOT, env=env,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        logs = [p.communicate(timeout=300)[0] for p in procs]
-        rows = {json.loads(p.read_text())["rank"]: json.loads(p.read_text()) for p in Path(out).glob("*.json")}
-    assert sorted(rows) == list(range(n)), "\n".join(log[-2000:] for log in logs)
-    return [rows[r] for r in range(n)]
+    """The worker's scenario on n ranks over the store: each rank's row."""
+    return rank_rows("torch", [str(WORKER), scenario, str(timeout_s)], n=n)
 
 
 def test_replicas_agree_over_the_store_and_train_exactly():
@@ -72,8 +56,10 @@ def test_rank_0_gone_is_named_by_the_others():
         assert r["seconds"] < 5 + 5 + 10
 
 
-def test_a_tampered_plan_is_detected_and_named():
-    rows = run_ranks("tamper")
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_tampered_plan_is_detected_and_named(transport):
+    # rank 2 flips one decision of the plan it receives: every rank names it, over either transport
+    rows = rank_rows(transport, [str(WORKER if transport == "torch" else MPI_WORKER), "tamper", "60"])
     for r in rows:
         assert "ranks [2]" in r["error"] and ("digest differs" in r["error"] or "does not fit" in r["error"])
 

@@ -1,36 +1,20 @@
 """Node coordination under a real MPI launcher: `mpiexec -iface lo -n 4` (loopback only), with the
 4 ranks grouped as 2 nodes x 2 ranks by the host-grouping override."""
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from slackswap_ds.dist import RankFacts, shares_of, tightest
 from slackswap_ds.planners.common import Share, split_node, water_fill
 from slackswap_ds.hardware import load_node
 
-ROOT = Path(__file__).resolve().parents[1]
-MPIEXEC = shutil.which("mpiexec")
+from jobs import MPIEXEC, ROOT, rank_rows
+
 pytestmark = pytest.mark.skipif(MPIEXEC is None or pytest.importorskip("mpi4py") is None, reason="no mpiexec")
 
 
-def mpirun(*args: str, n: int = 4, timeout: int = 300) -> list[dict]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as out:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-               "SLACKSWAP_TEST_OUT": out}
-        proc = subprocess.run([MPIEXEC, "-iface", "lo", "-n", str(n), sys.executable,
-                               str(ROOT / "tests" / "mpi" / "worker.py"), *args],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-        rows = [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
-    assert len(rows) == n, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return sorted(rows, key=lambda r: r["rank"])
+def mpirun(*args: str, n: int = 4) -> list[dict]:
+    """tests/mpi/worker.py under `mpiexec -iface lo -n n`: each rank's row."""
+    return rank_rows("mpi", [str(ROOT / "tests" / "mpi" / "worker.py"), *args], n=n)
 
 
 def test_ranks_grouped_as_two_nodes_of_two_share_each_node_budget_and_link():
@@ -65,12 +49,6 @@ def test_a_stuck_rank_is_named_within_the_timeout():
         assert "ranks [1] did not report within sync_timeout_s=5" in r["error"]
         assert r["seconds"] < 5 + 5 + 10
     assert "rank 1" in rows[1]["error"]  # when it wakes, the verdict is long gone: an error, not a hang
-
-
-def test_a_tampered_plan_is_detected_and_named():
-    rows = mpirun("tamper", "60")
-    for r in rows:
-        assert "ranks [2]" in r["error"] and ("digest differs" in r["error"] or "does not fit" in r["error"])
 
 
 def test_pool_shares_fit_when_demand_is_below_the_pool():

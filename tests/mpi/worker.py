@@ -4,6 +4,7 @@ $SLACKSWAP_TEST_OUT/<rank>.json (files, not stdout: four processes' lines can in
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -24,27 +25,68 @@ def tiny():
     return transformers.GPT2LMHeadModel(cfg).train()
 
 
-def step(model, ids):
-    out = model(input_ids=ids, labels=ids, use_cache=False)
-    out.loss.backward()
-    return out.loss
+class Blocks(torch.nn.Module):
+    """Residual MLP blocks in plain torch: a model to plan for where no rank trains under the plan."""
+
+    def __init__(self, width: int = 32, depth: int = 8):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                                              torch.nn.Linear(4 * width, width))
+                                          for _ in range(depth))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + block(x)
+        return x.square().mean()
 
 
-def grads(model, ids, ctx=None):
+def model_and_batch(trains: bool):
+    """The model and the batch (the same on every rank: replicas of one data-parallel step shape).
+    Where the ranks train under the agreed plan and compare every gradient bit for bit, a GPT-2;
+    where they only agree on a plan, refuse it or wait for it, plain torch blocks: a profile and a
+    plan as well, without importing transformers (seconds of every rank's start)."""
+    if trains:
+        model = tiny()
+        torch.manual_seed(100)
+        ids = torch.randint(1, 128, (2, 16))
+        return model, {"input_ids": ids, "labels": ids, "use_cache": False}
+    torch.manual_seed(0)
+    model = Blocks().train()
+    return model, {"x": torch.randn(2, 16, 32)}
+
+
+def step(model, batch):
+    out = model(**batch)
+    loss = out if torch.is_tensor(out) else out.loss
+    loss.backward()
+    return loss
+
+
+def grads(model, batch, ctx=None):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(7)
     if ctx is None:
-        loss = step(model, ids)
+        loss = step(model, batch)
     else:
         with ctx:
-            loss = step(model, ids)
+            loss = step(model, batch)
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def emit(row: dict) -> None:
     path = os.path.join(os.environ["SLACKSWAP_TEST_OUT"], f"{row['rank']}.json")
-    with open(path, "w") as f:
+    with open(path + ".part", "w") as f:
         json.dump(row, f)
+    os.replace(path + ".part", path)  # whole or absent: another rank may be counting the rows
+
+
+def stay_for_every_row(world: int, limit_s: float = 60) -> None:
+    """Leave only once every rank wrote its row (or after limit_s): MPICH's launcher kills the ranks
+    still running once the others have left, and a late rank (stuck) has its own error to write."""
+    deadline = time.monotonic() + limit_s
+    rows = lambda: [f for f in os.listdir(os.environ["SLACKSWAP_TEST_OUT"]) if f.endswith(".json")]  # noqa: E731
+    while len(rows()) < world and time.monotonic() < deadline:
+        time.sleep(0.1)
 
 
 def main(scenario: str) -> None:
@@ -67,10 +109,8 @@ def main(scenario: str) -> None:
         out.update(d2h=share.d2h_bps, h2d=share.h2d_bps, pool=share.host_pool_bytes, uplink=node.switch_uplink_bps)
         emit(out)
         return
-    model = tiny()
-    torch.manual_seed(100)  # the same batch on every rank: replicas of one data-parallel step shape
-    ids = torch.randint(1, 128, (2, 16))
-    profile = ss.profile_step(model, step, ids, warmup=0)
+    model, batch = model_and_batch(trains=scenario == "agree")
+    profile = ss.profile_step(model, step, batch, warmup=0)
     plan = ss.plan(profile, "a100-80g-pcie4", 0.5) if layout.rank == 0 else None
     if scenario == "exit" and layout.rank == 1:
         emit({**out, "exited": True})
@@ -94,9 +134,10 @@ def main(scenario: str) -> None:
                                        on_receive=tamper)
     except AgreementError as e:
         emit({**out, "error": str(e), "seconds": time.monotonic() - began})
+        stay_for_every_row(layout.world)
         return
-    reference = grads(model, ids)
-    result = grads(model, ids, ss.apply(model, agreed, agreed_profile))
+    reference = grads(model, batch)
+    result = grads(model, batch, ss.apply(model, agreed, agreed_profile))
     exact = torch.equal(result[0], reference[0]) and all(torch.equal(result[1][k], reference[1][k]) for k in reference[1])
     out.update(digest=agreed.digest, exact=exact)
     emit(out)

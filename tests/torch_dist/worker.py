@@ -18,7 +18,7 @@ from slackswap_ds.engine import SlackSwapRuntime
 from slackswap_ds.plan import Decision, Plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "mpi"))
-from worker import grads, step, tiny  # noqa: E402  (the MPI worker's model and step)
+from worker import grads, model_and_batch, step  # noqa: E402  (the MPI worker's models and step)
 
 
 class EngineShim:
@@ -49,10 +49,8 @@ def main(scenario: str, timeout_s: float) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     rank = dist.get_rank()
     out = {"rank": rank}
-    model = tiny()
-    torch.manual_seed(100)
-    ids = torch.randint(1, 128, (2, 16))
-    profile = ss.profile_step(model, step, ids, warmup=0)
+    model, batch = model_and_batch(trains=scenario == "agree")
+    profile = ss.profile_step(model, step, batch, warmup=0)
     if scenario.startswith("coordinate"):
         # the engine's own node coordination: 4 ranks as 2 nodes x 2, dgx-a100 switches, a 64 KiB pool
         cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4", "node": "dgx-a100", "ranks_per_node": 2,
@@ -71,7 +69,7 @@ def main(scenario: str, timeout_s: float) -> None:
 
         began = time.monotonic()
         try:
-            coordinator.exchange_facts(profile, budget, "input shapes (2, 16) torch.int64")
+            coordinator.exchange_facts(profile, budget, "input shapes (2, 16, 32) torch.float32")
         except AgreementError as e:
             emit({**out, "error": str(e), "seconds": time.monotonic() - began})
             os._exit(0)
@@ -103,8 +101,8 @@ def main(scenario: str, timeout_s: float) -> None:
     except AgreementError as e:
         emit({**out, "error": str(e), "seconds": time.monotonic() - began})
         os._exit(0)  # skip the process group's shutdown: a peer is gone
-    reference = grads(model, ids)
-    result = grads(model, ids, ss.apply(model, agreed, agreed_profile))
+    reference = grads(model, batch)
+    result = grads(model, batch, ss.apply(model, agreed, agreed_profile))
     exact = torch.equal(result[0], reference[0]) and all(torch.equal(result[1][k], reference[1][k]) for k in reference[1])
     emit({**out, "digest": agreed.digest, "exact": exact,
           "store_keys_left": channel.store.num_keys() - keys_before if scenario == "agree" else None})
