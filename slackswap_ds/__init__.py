@@ -40,7 +40,7 @@ def __getattr__(name: str):
 
         return profile_step
     if name == "apply":
-        from .runtime.executor import apply
+        from .api import apply
 
         return apply
     if name == "initialize":

@@ -53,10 +53,10 @@ class ProfileSession:
     def __init__(self, model: nn.Module, *, timer: Callable[[], float] | None = None, pool=None,
                  keep_bytes: int = 0):
         self.model = model
-        self.executor = Executor(model, None, None, pool=pool, profile_keep_bytes=keep_bytes)
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.tracer = StepTracer(lambda: self.executor.regions.label, timer or _sync_timer(device), device.type)
-        self.executor.observer = self.tracer
+        # the tracer asks for the region while the step runs, when the executor exists
+        self.tracer = StepTracer(lambda: self.executor.region, timer or _sync_timer(device), device.type)
+        self.executor = Executor.profiling(model, self.tracer, keep_bytes=keep_bytes, pool=pool)
 
     def __enter__(self) -> "ProfileSession":
         self.executor.__enter__()

@@ -27,8 +27,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .aten import by_value, is_compute, mutated_args, tensors_in
+from .flat import flatten
 from .naming import op_key
-from .replay import by_value, flatten, is_compute, mutated_args, tensors_in
+from .timeline import Timeline
 
 __all__ = ["StepTracer", "TracedOp", "TracedSave", "TracedStorage"]
 
@@ -56,7 +58,7 @@ class TracedStorage:
     nbytes: int
     producer: int | None  # op that created it; None: made outside the traced ops (inputs, constants)
     writers: list[int] = field(default_factory=list)  # the producer, then any in-place writers
-    by_value: bool = False  # a tiny result a replay record keeps by value (replay.by_value)
+    by_value: bool = False  # a tiny result a replay record keeps by value (aten.by_value)
 
 
 @dataclass
@@ -90,7 +92,7 @@ class StepTracer(TorchDispatchMode):
                  device_type: str = "cpu"):
         super().__init__()
         self.region, self.timer, self.device_type = region, timer, device_type
-        self.timeline = None  # the executor's Timeline while it records one (spans of every op)
+        self.timeline: Timeline | None = None  # the executor's while it records one (spans of every op)
         self.closed = False  # the traced step has ended (gradient accumulation runs more: not traced)
         self.forward_done = False  # ops run outside backward from now on are not the model's
         self.ops: list[TracedOp] = []

@@ -76,4 +76,4 @@ def test_a_cpu_model_on_a_gpu_machine_takes_the_cpu_path():
     prof = profile(model, zoo.step, batch)
     ex = ss.apply(model, random_plan(prof, 2), prof)
     assert_exact(run(model, zoo.step, batch, ex), reference)
-    assert not ex._device.has_streams
+    assert not ex.device.has_streams

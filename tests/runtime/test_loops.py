@@ -121,7 +121,7 @@ def test_soak_500_steps_with_a_recompute_plan_leaves_memory_flat(gpt2):
     assert tensors_499 == tensors_150
     # a leak of even 5% of one step's saved bytes would add 350 * 0.05 * ~0.6 MB = ~10 MB
     assert rss_499 - rss_150 < 4 << 20, (rss_150 >> 20, rss_499 >> 20)
-    assert ex._resident == 0  # every saved byte the executor held has been released
+    assert ex.resident_bytes == 0  # every saved byte the executor held has been released
 
 
 @pytest.mark.parametrize("loop", [zoo.step, two_forwards, accumulate])

@@ -93,7 +93,7 @@ def test_interleaved_micro_batches_are_exact_under_random_plans(setup, holds, se
     for _ in range(2):  # the first batch verifies the plan's recomputes; the second runs it plainly
         assert_same(run_schedule(model, batches, holds, executor), want)
     assert executor.stats.steps == 2 * MICRO_BATCHES
-    assert executor.open_micro_batches == 0 and executor._resident == 0  # nothing left on the device
+    assert executor.open_micro_batches == 0 and executor.resident_bytes == 0  # nothing left on the device
 
 
 def test_device_bytes_count_every_micro_batch_in_flight(setup):
@@ -139,5 +139,5 @@ def test_soak_of_1f1b_batches_with_recompute_and_swap_leaves_memory_flat(setup):
     (tensors_40, rss_40), (tensors_119, rss_119) = samples
     assert tensors_119 == tensors_40
     assert rss_119 - rss_40 < 4 << 20, (rss_40 >> 20, rss_119 >> 20)
-    assert executor.stats.last_step.ops_recomputed > 0 and executor._resident == 0
+    assert executor.stats.last_step.ops_recomputed > 0 and executor.resident_bytes == 0
     assert executor.open_micro_batches == 0

@@ -1,0 +1,59 @@
+"""The plain-PyTorch API: run a model's steps under a plan, with no DeepSpeed in sight.
+
+``with ss.apply(model, plan, profile) as stats:`` runs every step inside under `plan` (see
+runtime/executor.py). `plan` is a `Plan` (what ``ss.plan`` returns) or a planner's `Planned`,
+whose Schedule is used as it is (a plan is lowered once).
+
+Re-planning after a demotion is policy, decided here rather than in the runtime: by default
+(`replan_without`) the failed tensors are made unrecomputable and the plan's own planner plans
+again on its hardware within the same budget.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from .hardware import preset_by_digest
+from .plan import Plan
+from .planners import PLANNERS, PRIVATE
+from .planners.common import Planned
+from .profile import StepProfile
+from .runtime.executor import Executor
+from .runtime.executor import apply as run_under
+from .runtime.verify import swap_instead
+
+log = logging.getLogger("slackswap_ds")
+
+__all__ = ["apply", "replan_without"]
+
+
+def apply(model: nn.Module, plan: Plan | Planned, profile: StepProfile, **kw) -> Executor:
+    """Context manager: every step run inside follows `plan`, made for `profile` of this model.
+    ``with apply(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
+
+    Keywords as runtime.executor.apply: `pool` (HostPool), `record` (measured timelines),
+    `verify` (check recomputes on the first step, default True), `replan` (how to re-plan after a
+    demotion; default `replan_without`), `takeover`, `device` (default: the Device of the model's
+    parameters)."""
+    if isinstance(plan, Planned):
+        kw.setdefault("schedule", plan.schedule)
+        plan = plan.plan
+    kw.setdefault("replan", replan_without)
+    return run_under(model, plan, profile, **kw)
+
+
+def replan_without(profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
+    """The default re-plan after a demotion: the profile with the failed activations made
+    unrecomputable, planned again by the plan's planner on its hardware (a preset recognised by
+    its digest) within the same budget; for a planner or hardware it does not know, the failed
+    keys are swapped instead (logged)."""
+    hw = preset_by_digest(plan.hardware_digest)
+    planner = PLANNERS.get(plan.planner)
+    if hw is None or planner is None:
+        log.info("slackswap: no planner %r on known hardware to re-plan with; the failed tensors are swapped",
+                 plan.planner)
+        return swap_instead(profile, plan, failures)
+    pinned = profile.without_recompute(failures)
+    return pinned, planner(pinned, hw, plan.budget_bytes, PRIVATE).plan

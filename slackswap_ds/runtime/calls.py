@@ -1,0 +1,214 @@
+"""RECOMPUTE: the layer calls of a step, recorded in forward and replayed in backward (replay.py).
+
+Forward. A layer call whose region the Program re-runs is recorded (`record`): its arguments are
+held without autograd history (`Detached`), its compute ops by a `Recorder`, and which op made
+each storage (`Writer`, so that the executor can tell a tensor its call made from one it only
+saved). When the call returns (`hold_arguments`), the arguments the step saved anyway are held
+through their entries instead (`HeldArgument`, pinning them until the replay), so that a swapped
+layer input does not stay on the device; a call that made no RECOMPUTE tensor drops its record.
+
+Backward. `replay` re-runs a call once, the first time backward needs one of its tensors (the
+Schedule's RECOMPUTE at the region's first backward op) or another replay needs one as an input.
+`LayerCalls` is the replay's `ReplaySource`: `materialize` gives it a saved entry on the device
+(copied in if swapped, regenerated first if recomputed), `captured` takes a regenerated tensor
+(checked against forward's bytes on a verifying step, verify.py), `ran` counts an op that ran for
+real. A replay that fails or differs on a verifying step hands backward the originals and names
+the keys for demotion; on any other step it is a `ReplayError` (a plan's replay must not guess).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..plan import Decision
+from .aten import meta_of, no_dispatch, rebuild
+from .flat import flatten_call, unflatten_call
+from .records import CallRecord, Detached, Entry, HeldArgument, Step, Writer
+from .replay import Recorder, ReplayError, autocast_state, run_replay
+from .residency import Residency
+from .swaps import Swaps
+from .verify import Verifier
+
+__all__ = ["LayerCalls"]
+
+
+class LayerCalls:
+    """The recorded layer calls of an executor's steps (see the module docstring)."""
+
+    def __init__(self, residency: Residency, swaps: Swaps, verifier: Verifier, released: collections.deque[Entry],
+                 takeover: bool):
+        self.residency, self.swaps, self.verifier = residency, swaps, verifier
+        self.released = released  # the executor's queue of holders gone: a replay's pins end there
+        self.takeover = takeover  # checkpoint calls run inline in replays too (takeover.py)
+        self._recorders: dict[str, Recorder] = {}  # open recorded calls by label
+        self._replaying: list[Step] = []  # steps of the replays running now (one replay may need another)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def record(self, step: Step, label: str, module: nn.Module, args: tuple, kwargs: dict,
+               device_type: str) -> Recorder:
+        """Layer call `label` starts: its record, and the Recorder the caller enters (outside its lock)."""
+        call = CallRecord(label, module, autocast=autocast_state(device_type))
+        flat, spec = flatten_call((args, kwargs))
+        with no_dispatch():  # held without autograd history: no cycle through the graph
+            flat = [Detached(t) if isinstance(t, torch.Tensor) else t for t in flat]
+        call.args = (flat, spec)
+        call.versions = [(a.tensor, a.tensor._version) for a in flat if isinstance(a, Detached)]
+        step.calls[label] = call
+        rec = self._recorders[label] = Recorder(call, functools.partial(self._made, step), device_type)
+        return rec
+
+    def _made(self, step: Step, call: CallRecord, k: int, n: int, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        step.writers[st._cdata] = Writer(call, k, n, StorageWeakRef(st))
+
+    def stop_recording(self, label: str) -> None:
+        """Layer call `label` has returned: its recorder stops."""
+        rec = self._recorders.pop(label, None)
+        if rec is not None:
+            rec.__exit__(None, None, None)
+
+    def stop_all(self) -> None:
+        """Stop every recorder (an exception left layer calls open)."""
+        for rec in list(self._recorders.values()):
+            rec.__exit__(None, None, None)
+        self._recorders.clear()
+
+    def hold_arguments(self, step: Step, call: CallRecord) -> None:
+        """A replay calls the layer again with its arguments: those the step saved are held through
+        their entries (pinned until the replay; a swapped input must not stay on the device)."""
+        live = len(call.targets)  # (only RECOMPUTE entries are targets)
+        if not live:  # nothing to replay: nothing to hold
+            call.args, call.versions, call.done = None, [], True
+            return
+        flat, spec = call.args
+        held = []
+        for a in flat:
+            entry = step.by_storage.get(a.tensor.untyped_storage()._cdata) if isinstance(a, Detached) else None
+            if entry is not None and entry.holders > 0:
+                entry.holders += 1
+                call.pins.append(entry)
+                held.append(HeldArgument(entry, meta_of(a.tensor), a.requires_grad))
+            else:
+                held.append(a)
+        call.args = (held, spec)
+        call.live = live
+
+    # ---- lifetimes ----------------------------------------------------------------------------
+    def target_released(self, call: CallRecord) -> None:
+        """A RECOMPUTE entry of `call` was released before its replay: once none is left, nobody
+        needs the replay any more, and its arguments are unpinned."""
+        if not call.done:
+            call.live -= 1
+            if call.live <= 0:
+                call.done = True
+                self.unpin(call)
+
+    def unpin(self, call: CallRecord) -> None:
+        self.released.extend(call.pins)
+        call.pins, call.args, call.versions = [], None, []
+
+    # ---- backward -----------------------------------------------------------------------------
+    def replay(self, step: Step, call: CallRecord) -> None:
+        """Regenerate `call`'s RECOMPUTE tensors (once; see the module docstring)."""
+        call.done = True
+        timeline = self.residency.timeline
+        start = timeline.now() if timeline else 0.0
+        self._replaying.append(step)
+        try:
+            args, kwargs = self._arguments(call)
+            run_replay(self, call, step.program.rerun.get(call.label, frozenset()), args, kwargs,
+                       self._replay_context)
+        except Exception as e:  # noqa: BLE001 - any failure of the model's code in a replay
+            if not step.verifying:
+                missing = sum(1 for t in call.targets.values() if t.storage is None and t.holders > 0)
+                raise ReplayError(f"replaying layer call {call.label!r} to regenerate {missing} saved tensor(s) "
+                                  f"failed: {e}. The layer is not replayable as its plan assumed (state it "
+                                  f"mutates, a nondeterministic op, or another code path than when it was "
+                                  f"profiled); plan with its tensors kept or swapped") from e
+            why = f"replay failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            for entry in call.targets.values():
+                if entry.holders > 0:
+                    step.failures.setdefault(entry.key, why)
+                    if entry.storage is None and entry.original is not None:
+                        self.verifier.restore(entry)
+        finally:
+            self._replaying.pop()
+            self.unpin(call)
+            if timeline is not None:
+                timeline.span("compute", "recompute", call.label, start, timeline.now())
+
+    def _replay_context(self) -> ContextManager:
+        from .takeover import inline_checkpoints
+
+        return inline_checkpoints() if self.takeover else contextlib.nullcontext()
+
+    def _arguments(self, call: CallRecord) -> tuple[tuple, dict]:
+        for t, version in call.versions:
+            if t._version != version:
+                raise ReplayError(f"an argument of layer call {call.label!r} was modified in place after the "
+                                  f"call (version {version} -> {t._version}); a replay would see other inputs")
+        held, spec = call.args
+        flat = []
+        with no_dispatch():
+            for a in held:
+                if isinstance(a, HeldArgument):
+                    t = self.materialize(a.entry, a.meta)
+                    if t is None:
+                        raise ReplayError(f"argument {a.entry.key!r} of {call.label!r} was released before "
+                                          f"the replay")
+                    flat.append(t.requires_grad_() if a.requires_grad else t)
+                elif isinstance(a, Detached):
+                    flat.append(a.get())
+                else:
+                    flat.append(a)
+        return unflatten_call(flat, spec)
+
+    # ---- the replay's ReplaySource ------------------------------------------------------------
+    def materialize(self, entry: Entry, meta: tuple) -> torch.Tensor | None:
+        """`entry` on the device viewed as `meta`: copied in or regenerated if need be (None if
+        the entry is gone)."""
+        if entry.storage is None:
+            if entry.holders <= 0:
+                return None
+            if entry.decision is Decision.SWAP and entry.buffer is not None:
+                with no_dispatch():
+                    self.swaps.copy_in(entry)
+                entry.step.stats.copy_waits += 1
+            elif entry.call is not None and not entry.call.done:
+                self.replay(entry.step, entry.call)
+            if entry.storage is None:
+                raise ReplayError(f"the replay of {entry.call.label if entry.call else '?'!r} did not "
+                                  f"regenerate saved tensor {entry.key!r}")
+        with no_dispatch():
+            if entry.in_handle is not None:  # compute waits on the copy's event (no host sync)
+                entry.in_handle.wait_on_current()
+            return rebuild(entry.storage, meta)
+
+    def captured(self, entry: Entry, tensor: torch.Tensor) -> None:
+        """The replay made RECOMPUTE `entry` again (`tensor`: the op's output over its storage)."""
+        with no_dispatch():
+            st = tensor.untyped_storage()
+            if st.nbytes() != entry.nbytes:
+                raise ReplayError(f"the replay made {entry.key!r} in a storage of {st.nbytes()} B; forward's had "
+                                  f"{entry.nbytes} B")
+            entry.storage = tensor.detach()
+            self.residency.count_resident(entry)
+            entry.step.stats.recomputed_bytes += entry.nbytes
+            if entry.original is not None:
+                self.verifier.check(entry, st)
+
+    def ran(self, call: CallRecord, k: int) -> None:
+        """A replay ran op k of `call` for real (counted; the Schedule says which it should)."""
+        step = self._replaying[-1]
+        stats, program = step.stats, step.program
+        stats.ops_recomputed += 1
+        stats.recomputed_ops.append(program.op_keys.get((call.label, k), f"{call.label}:{k}:?"))
+        if k not in program.rerun.get(call.label, ()):
+            stats.unplanned_reruns += 1

@@ -1,0 +1,167 @@
+"""A saved storage's entry, from its save to its release: named, decided, placed, reached, let go.
+
+* Save (`new`, from the executor's pack hook). The entry is named the way the profiler named it
+  (naming.py: its region label, the rank of its storage among the region's saved storages, its
+  autograd node), and its decision looked up in the step's Program. Anything that does not match
+  the Schedule (a tensor the profile did not see, a recompute outside its layer call or made by
+  other ops than profiled, a full host pool) is kept and counted in `stats.fallbacks`: a plan can
+  cost memory, never correctness. Then the decision is carried out: KEEP holds the storage,
+  SWAP copies it out (swaps.py), RECOMPUTE lets it go (calls.py; a verifying step keeps
+  forward's bytes on the host, verify.py). Without a plan, saves stay on the device while they
+  fit in `keep_bytes` and go to host (blocking) otherwise.
+* Backward (`reached`): its position is the first reader (profile op index) of the entries it
+  unpacks. When it passes a COPY_IN's trigger op the prefetch is issued, and when it enters a
+  layer call that recomputes, the call is replayed first (the Schedule's RECOMPUTE at the
+  region's first backward op).
+* Release (`drain`): a `Holder` that dies queues its entry (`released`); the last holder gone
+  ends the entry's life on the device, gives its host buffers back, and unpins a replay nobody
+  needs any more.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ..plan import Decision
+from .aten import no_dispatch
+from .calls import LayerCalls
+from .naming import activation_key, maker_of
+from .program import PlannedTensor
+from .records import Entry, Step, Writer
+from .residency import Residency
+from .swaps import Swaps
+from .verify import Verifier
+
+__all__ = ["Entries"]
+
+
+def _fallback(step: Step, why: str) -> Decision:
+    step.stats.fallback(f"{why}: kept")
+    return Decision.KEEP
+
+
+class Entries:
+    """The entries of an executor's steps (see the module docstring)."""
+
+    def __init__(self, residency: Residency, swaps: Swaps, verifier: Verifier, calls: LayerCalls,
+                 released: collections.deque[Entry], keep_bytes: int = 0):
+        self.residency, self.swaps, self.verifier, self.calls = residency, swaps, verifier, calls
+        self.released = released  # entries whose holders died, oldest first
+        self.keep_bytes = keep_bytes  # without a plan: saves kept on the device up to this
+
+    # ---- save ---------------------------------------------------------------------------------
+    def new(self, step: Step, label: str, t: torch.Tensor, st: torch.UntypedStorage) -> Entry:
+        """The entry of storage `st`, first saved (as `t`) in region `label` of `step`."""
+        n = step.ordinals.get(label, 0)
+        step.ordinals[label] = n + 1
+        key = activation_key(label, n, maker_of(t))
+        nbytes = st.nbytes()
+        planned = step.program.acts.get(key) if step.program is not None else None
+        writer = step.writers.get(st._cdata)
+        if writer is not None and writer.call.label != label:
+            writer = None  # made in another layer call: no replay of this one makes it
+        decision = self._decision(step, planned, nbytes, writer)
+        # A SWAP or RECOMPUTE entry outlives its device storage: the weak reference keeps the
+        # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
+        ref = StorageWeakRef(st) if decision is not Decision.KEEP else None
+        entry = Entry(key, decision, nbytes, planned.first_read if planned else None, ref, step)
+        step.live += 1
+        if decision is Decision.SWAP:
+            step.by_key[key] = entry
+        if writer is not None:
+            call = writer.call
+            call.available[writer.op, writer.output] = entry
+            if decision is Decision.RECOMPUTE:
+                call.targets[writer.op, writer.output] = entry
+                entry.call = call
+        self._place(step, entry, t, st)
+        return entry
+
+    def _decision(self, step: Step, planned: PlannedTensor | None, nbytes: int, writer: Writer | None) -> Decision:
+        """The plan's decision for a new entry, or KEEP (counted) where it cannot be carried out."""
+        if step.program is None:  # no plan: to host (blocking), so the step fits any budget above the kept bytes
+            return Decision.KEEP if self.residency.bytes + nbytes <= self.keep_bytes else Decision.SWAP
+        if planned is None:
+            return _fallback(step, "not in the plan's profile")
+        if planned.nbytes != nbytes:
+            # data-dependent shapes (a mixture of experts routes other token counts every step):
+            # the decision still applies, exactly; only the plan's byte counts are off
+            step.stats.resized += 1
+            step.stats.resized_bytes += nbytes - planned.nbytes
+        if planned.decision is Decision.RECOMPUTE and writer is None:
+            return _fallback(step, "recompute of a tensor its layer call did not make")
+        if planned.decision is Decision.RECOMPUTE and writer.op != planned.writer:
+            # same name, same size, made by another op of the call: the layer took another code path
+            # than when profiled (data-dependent control flow; e.g. an attention mask of all ones that
+            # a model drops), and the plan's replay would stop before the op that makes it now
+            return _fallback(step, "recompute of a tensor its layer call made with other ops than profiled")
+        return planned.decision
+
+    def _place(self, step: Step, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage) -> None:
+        """Carry out a new entry's decision: its bytes stay, go to host, or are let go."""
+        if entry.decision is Decision.RECOMPUTE:
+            if step.verifying:
+                entry.original = self.verifier.keep_original(st, step)
+            return
+        if entry.decision is Decision.SWAP:
+            program = step.program
+            if self.swaps.swap_out(entry, st, blocking=program is None or program.blocking):
+                step.stats.swapped_bytes += entry.nbytes
+                return
+            entry.decision = _fallback(step, "host pool exhausted")
+        entry.storage = t.detach()
+        self.residency.count_resident(entry)
+        step.stats.kept_bytes += entry.nbytes
+
+    # ---- backward -----------------------------------------------------------------------------
+    def reached(self, entry: Entry) -> None:
+        """Backward unpacks `entry` for the first time: it has reached the entry's first reader.
+        Prefetches whose trigger op it has passed are issued; a layer call it enters that
+        recomputes is replayed first (the Schedule's RECOMPUTE at the region's first backward op)."""
+        entry.reached = True
+        step = entry.step
+        program = step.program
+        if program is not None and not program.any_backward_work and step.backward:
+            return  # nothing to prefetch or replay (keep-only plans)
+        if not step.backward:
+            step.backward = True
+            if program is not None:
+                step.triggers = list(program.triggers)
+                step.position = program.n_ops
+        self.residency.poll()
+        p = entry.first_read
+        if p is None or p >= step.position or program is None:
+            return
+        step.position = p
+        self.swaps.prefetch(step, p)
+        call = step.calls.get(program.region_of_op[p])
+        if call is not None and not call.done:
+            self.calls.replay(step, call)
+
+    # ---- release ------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Release the entries whose last holder died (queued by Holder.__del__)."""
+        released = self.released
+        while released:
+            entry = released.popleft()
+            entry.holders -= 1
+            if entry.holders == 0:
+                self._release(entry)
+
+    def _release(self, entry: Entry) -> None:
+        self.residency.drop_resident(entry)
+        entry.storage = None
+        with no_dispatch():
+            self.swaps.release(entry)
+            self.verifier.release(entry)
+        entry.in_handle = None
+        call, entry.call = entry.call, None
+        if call is not None:
+            self.calls.target_released(call)
+        step = entry.step
+        step.live -= 1
+        if step.live == 0 and step.closed:
+            step.clear()

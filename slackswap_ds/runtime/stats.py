@@ -1,0 +1,47 @@
+"""What an executor counts: per step (`StepStats`) and over its life (`RunStats`).
+
+``with apply(model, plan, profile) as stats:`` hands out the `RunStats`; `stats.last_step` is the
+last closed step's `StepStats`. Device bytes are those of residency.py (DESIGN.md's budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import Plan
+from .timeline import MeasuredStep
+
+__all__ = ["RunStats", "StepStats"]
+
+
+@dataclass
+class StepStats:
+    """Counters of one step."""
+
+    kept_bytes: int = 0
+    swapped_bytes: int = 0
+    recomputed_bytes: int = 0
+    ops_recomputed: int = 0
+    recomputed_ops: list[str] = field(default_factory=list)  # op keys re-run by replays, in order
+    unplanned_reruns: int = 0  # ops a replay had to re-run that the Schedule did not list
+    peak_device_bytes: int = 0
+    host_pool_bytes: int = 0
+    copy_waits: int = 0  # swapped tensors backward needed before their prefetch had run
+    other_device_bytes: int = 0  # saved tensors on another device than the model's (left alone)
+    resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway
+    resized_bytes: int = 0  # their bytes minus the profile's
+    fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
+    verified: bool | None = None  # this step checked the plan's recomputes: True = all equal
+    demoted: dict[str, str] = field(default_factory=dict)  # key -> why it failed verification
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+
+@dataclass
+class RunStats:
+    steps: int = 0
+    last_step: StepStats = field(default_factory=StepStats)
+    last_timeline: MeasuredStep | None = None  # with record=True: the last step, for report.chrome_trace
+    plan: Plan | None = None  # the plan steps run under now (re-planning after a demotion changes it)
+    demotions: list[dict[str, str]] = field(default_factory=list)  # each re-plan: key -> reason

@@ -1,0 +1,131 @@
+"""The steps of an executor: the one running now, pipeline micro-batches held open, and what a
+closed step leaves behind.
+
+A step is the forwards since the last backward and the backward that follows them: a forward
+after a backward opens a new one, so several forwards before one backward (gradient
+accumulation, a second forward) are one step. Each step runs under the Program current when it
+opened; the first step under a plan that recomputes verifies it (verify.py).
+
+Micro-batches. Under 1F1B a pipeline stage runs the forwards of several micro-batches before the
+backward of the first: each micro-batch is a step of its own, open from its forward to the end of
+its backward, several at once. The schedule says which is which (the executor cannot tell a
+micro-batch's forward from a second forward of gradient accumulation): start(tag) before its
+forward, resume(tag) before its backward, finish(tag) after it. Device bytes are counted over
+every open step (residency.py), so a step's peak is the stage's.
+
+Closing a step releases what its backward let go, puts its counters in `stats.last_step` (and its
+timeline, if recorded, in `stats.last_timeline`), demotes what failed verification, and warns once
+per kind of fallback. The caller holds the executor's lock around every method here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Hashable
+
+from .entries import Entries
+from .program import Program
+from .records import Step
+from .residency import Residency
+from .stats import RunStats
+from .swaps import Swaps
+from .verify import Verifier
+
+log = logging.getLogger("slackswap_ds")
+
+__all__ = ["Steps"]
+
+
+class Steps:
+    """Opening and closing the steps of one executor (see the module docstring). `opened` is
+    called with each new step (the executor resets its regions and starts a timeline there);
+    `closed` with each closed step that ran without a plan (the profiler's tracer stops there)."""
+
+    def __init__(self, entries: Entries, swaps: Swaps, verifier: Verifier, residency: Residency, *, verify: bool,
+                 opened: Callable[[Step], None], closed: Callable[[Step], None]):
+        self.entries, self.swaps, self.verifier, self.residency = entries, swaps, verifier, residency
+        self.verify = verify  # the first step under each plan that recomputes checks its recomputes
+        self.opened, self.closed = opened, closed
+        self.stats = RunStats()
+        self.program: Program | None = None  # what new steps run under (None: no plan)
+        self.current: Step | None = None  # the step whose forward or backward runs now
+        self._verify_next = False
+        self._micro_batches: dict[Hashable, Step] = {}  # open steps by micro-batch (start())
+        self._warned: set[str] = set()
+
+    def set_program(self, program: Program) -> None:
+        self.program = program
+        self.stats.plan = program.plan
+        self._verify_next = self.verify and bool(program.rerun)
+
+    def forward(self) -> Step:
+        """The step a forward runs in: the current one, or a new one after a backward."""
+        step = self.current
+        if step is None or step.backward:
+            self.leave()
+            step = self.current = self._new()
+        return step
+
+    def _new(self) -> Step:
+        step = Step(self.program, self._verify_next and self.program is not None)
+        self._verify_next = self._verify_next and not step.verifying  # one step checks the plan's recomputes
+        self.opened(step)
+        return step
+
+    # ---- micro-batches of a pipeline schedule (see the module docstring) -----------------------------
+    def start(self, tag: Hashable) -> None:
+        if tag in self._micro_batches:
+            raise RuntimeError(f"micro-batch {tag!r} started twice before its backward")
+        self.leave()
+        self.current = self._micro_batches[tag] = self._new()
+
+    def resume(self, tag: Hashable) -> None:
+        self.leave()
+        self.current = self._micro_batches[tag]
+
+    def finish(self, tag: Hashable) -> None:
+        step = self._micro_batches.pop(tag)
+        if self.current is step:
+            self.current = None
+        self._close(step)
+
+    @property
+    def open_micro_batches(self) -> int:
+        return len(self._micro_batches)
+
+    # ---- closing --------------------------------------------------------------------------------
+    def leave(self) -> None:
+        """Leave the current step: closed, unless it is a micro-batch's (which stays open)."""
+        step = self.current
+        if step is None:
+            return
+        self.current = None
+        if step in self._micro_batches.values():
+            return  # a micro-batch between its forward and its backward: finish() closes it
+        self._close(step)
+
+    def _close(self, step: Step) -> None:
+        self.entries.drain()
+        step.closed = True
+        if step.live == 0:
+            step.clear()
+        if step.program is None:
+            self.closed(step)
+        stats = step.stats
+        stats.host_pool_bytes = self.swaps.bytes_in_use()
+        self.stats.steps += 1
+        self.stats.last_step = stats
+        timeline = self.residency.timeline
+        if timeline is not None:
+            self.stats.last_timeline = timeline.close(stats.peak_device_bytes)
+            self.residency.timeline = None
+        if step.verifying:
+            demoted = self.verifier.closed(step)
+            if demoted is not None:
+                self.set_program(demoted)
+                self.stats.demotions.append(dict(step.failures))
+        for why, n in stats.fallbacks.items():
+            if why not in self._warned:
+                self._warned.add(why)
+                log.warning("slackswap: %d saved tensor(s) in step %d (%s); counted in stats.fallbacks, "
+                            "warned once", n, self.stats.steps, why)
