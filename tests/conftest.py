@@ -2,22 +2,35 @@ import os
 import time
 from pathlib import Path
 
-import pytest
+# One thread per test process, set before anything imports torch: the suite's two pytest-xdist
+# workers and the ranks of its jobs share the machine's cores, and threads beyond them only spin.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from slackswap_ds.hardware import Hardware, load_hardware
-from slackswap_ds.profile import Activation, Op, StepProfile
+import pytest  # noqa: E402
 
-from jobs import free_loopback_port
+from slackswap_ds.hardware import Hardware, load_hardware  # noqa: E402
+from slackswap_ds.profile import Activation, Op, StepProfile  # noqa: E402
+
+from jobs import free_loopback_port  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_shared_memory_left_behind():
-    """DeepSpeed's CPU all-reduce leaves a 67 MB file per rank in /dev/shm when its job ends (it
-    never unlinks them), and MPICH leaves its segments behind when a rank is killed: a few runs of
-    the suite would fill /dev/shm, and the machine's memory with it. At the end of the session,
-    remove the ones made since it began that no process still holds."""
-    began = time.time()
-    yield
+_SESSION_BEGAN = time.time()
+
+
+def pytest_sessionstart(session):
+    global _SESSION_BEGAN
+    _SESSION_BEGAN = time.time()
+
+
+def pytest_sessionfinish(session):
+    """No shared memory left behind. DeepSpeed's CPU all-reduce leaves a 67 MB file per rank in
+    /dev/shm when its job ends (it never unlinks them), and MPICH leaves its segments behind when a
+    rank is killed: a few runs of the suite would fill /dev/shm, and the machine's memory with it. At
+    the end of the run, remove the ones made since it began that no process still holds. Under
+    pytest-xdist only the controller does, once every worker is done: a worker that swept at its own
+    end could take a segment that a job on another worker has made and not yet mapped."""
+    if hasattr(session.config, "workerinput"):  # an xdist worker
+        return
     shm = Path("/dev/shm")
     leftovers = [*shm.glob("deepspeed_allreduce_buffer_*"), *shm.glob("mpich_shm_*")] if shm.is_dir() else []
     if not leftovers:
@@ -32,7 +45,7 @@ def no_shared_memory_left_behind():
             continue
     for f in leftovers:
         try:
-            if f.stat().st_mtime >= began and str(f) not in held:
+            if f.stat().st_mtime >= _SESSION_BEGAN and str(f) not in held:
                 f.unlink()
         except OSError:
             pass

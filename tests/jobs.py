@@ -29,6 +29,16 @@ MPIEXEC = shutil.which("mpiexec")
 # and MPI (mpiexec); MPI's cases are skipped where mpiexec is not installed
 TRANSPORTS = ["torch", pytest.param("mpi", marks=pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"))]
 
+# The suite runs on two pytest-xdist workers (setup.cfg). Jobs whose ranks must answer within a
+# deadline (sync_timeout_s) run one at a time, on one worker: their ranks then compete with one
+# other test at most, never with another deadline job's ranks.
+DEADLINES = pytest.mark.xdist_group("deadlines")
+
+
+def sharing(fixture: str) -> pytest.MarkDecorator:
+    """The tests that read one module-scoped job (`fixture`) run on one worker: the job runs once."""
+    return pytest.mark.xdist_group(fixture)
+
 
 def free_loopback_port() -> int:
     """A free TCP port on 127.0.0.1 (for launchers and process groups in tests: loopback only)."""

@@ -8,7 +8,9 @@ from slackswap_ds.agreement import Solo, agree, exchange
 from slackswap_ds.hardware import load_node
 from slackswap_ds.workloads import workload
 
-from jobs import ROOT, TRANSPORTS, rank_rows
+from jobs import DEADLINES, ROOT, TRANSPORTS, rank_rows
+
+pytestmark = DEADLINES
 
 WORKER = ROOT / "tests" / "torch_dist" / "worker.py"
 MPI_WORKER = ROOT / "tests" / "mpi" / "worker.py"  # the same protocol under mpiexec (tests/test_dist.py)

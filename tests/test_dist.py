@@ -7,9 +7,10 @@ from slackswap_ds.dist import RankFacts, shares_of, tightest
 from slackswap_ds.planners.common import Share, split_node, water_fill
 from slackswap_ds.hardware import load_node
 
-from jobs import MPIEXEC, ROOT, rank_rows
+from jobs import DEADLINES, MPIEXEC, ROOT, rank_rows
 
-pytestmark = pytest.mark.skipif(MPIEXEC is None or pytest.importorskip("mpi4py") is None, reason="no mpiexec")
+pytestmark = [pytest.mark.skipif(MPIEXEC is None or pytest.importorskip("mpi4py") is None, reason="no mpiexec"),
+              DEADLINES]
 
 
 def mpirun(*args: str, n: int = 4) -> list[dict]:

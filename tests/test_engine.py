@@ -12,7 +12,7 @@ from slackswap_ds.engine import SlackSwapRuntime
 from slackswap_ds.errors import InvalidFileError, PlanError
 from slackswap_ds.plan import Decision
 
-from jobs import ROOT, deepspeed_line, launch_in_turn, run_launch
+from jobs import ROOT, deepspeed_line, launch_in_turn, run_launch, sharing
 
 pytest.importorskip("deepspeed")
 
@@ -63,6 +63,7 @@ def zero_stages_job(tmp_path_factory) -> dict[str, tuple[list[float], str]]:
     return {name: (json.loads((tmp / f"{name}.losses.json").read_text()), logs[name]) for name, _ in runs}
 
 
+@sharing("zero_stages_job")
 @pytest.mark.parametrize("stage, steps", ZERO_STAGES)
 def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(zero_stages_job, stage, steps):
     losses_on, log_on = zero_stages_job[f"on{stage}"]

@@ -12,10 +12,11 @@ import sys
 
 import pytest
 
-from jobs import (FAULT_MARGIN_S, FAULT_TIMEOUT_S, MPIEXEC, ROOT, TRANSPORTS, Job, assert_named, mpiexec_line,
-                  run_launch, run_ranks)
+from jobs import (DEADLINES, FAULT_MARGIN_S, FAULT_TIMEOUT_S, MPIEXEC, ROOT, TRANSPORTS, Job, assert_named,
+                  mpiexec_line, run_launch, run_ranks)
 
 pytest.importorskip("deepspeed")
+pytestmark = DEADLINES
 
 WORKER = ROOT / "tests" / "faults" / "worker.py"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import ROOT, cpu_env, deepspeed_line, free_loopback_port, run_launch
+from jobs import ROOT, cpu_env, deepspeed_line, free_loopback_port, run_launch, sharing
 
 LAUNCH = ROOT / "launch"
 BASH = shutil.which("bash")
@@ -56,6 +56,7 @@ def reference_losses(tmp_path_factory) -> list[float]:
     return ref
 
 
+@sharing("reference_losses")
 def test_mpirun_wrapper_matches_the_deepspeed_launcher(tmp_path, reference_losses):
     flavor = mpi_flavor()
     ref = reference_losses
@@ -78,6 +79,7 @@ def test_mpirun_wrapper_matches_the_deepspeed_launcher(tmp_path, reference_losse
     assert out.count("agreed over MPI by 2 ranks") == 1  # an MPI launch: the plan was agreed over MPI
 
 
+@sharing("reference_losses")
 def test_deepspeed_mpich_launcher_on_loopback(tmp_path, reference_losses):
     """The README's `deepspeed --launcher mpich --hostfile launch/hostfile.localhost ...` command."""
     if mpi_flavor() != "mpich" or shutil.which("mpirun") is None:

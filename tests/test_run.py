@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jobs import ROOT, accelerate_line, cpu_env, deepspeed_line, run_launch, torchrun_line
+from jobs import ROOT, accelerate_line, cpu_env, deepspeed_line, run_launch, sharing, torchrun_line
 
 SCRIPTS = ROOT / "tests" / "adoption"
 pytest.importorskip("deepspeed")
@@ -66,8 +66,8 @@ def disabled_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("launcher, script, config", [
-    ("deepspeed", "plain_deepspeed", DEEPSPEED),
-    ("torchrun", "plain_deepspeed", DEEPSPEED),
+    pytest.param("deepspeed", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
+    pytest.param("torchrun", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
     ("deepspeed", "hf_trainer", HF),
     ("accelerate", "accelerate_plugin", ACCELERATE),
 ], ids=["deepspeed-script", "torchrun-script", "hf-trainer", "accelerate-plugin"])

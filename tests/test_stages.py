@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import FAULT_TIMEOUT_S, ROOT, TRANSPORTS, Job, assert_named, launch_in_turn, run_ranks
+from jobs import DEADLINES, FAULT_TIMEOUT_S, ROOT, TRANSPORTS, Job, assert_named, launch_in_turn, run_ranks, sharing
 
 pytest.importorskip("deepspeed")
 
@@ -43,6 +43,7 @@ def pipeline_jobs(request, tmp_path_factory):
     return ranks, (reports["on"], logs["on"]), (reports["off"], logs["off"])
 
 
+@sharing("pipeline_jobs")
 def test_training_is_exact(pipeline_jobs):
     _, (on, _), (off, _) = pipeline_jobs
     for a, b in zip(on, off):
@@ -50,6 +51,7 @@ def test_training_is_exact(pipeline_jobs):
         assert a["parameters"] == b["parameters"], f"rank {a['rank']}: parameters differ after 4 batches"
 
 
+@sharing("pipeline_jobs")
 def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(pipeline_jobs):
     _, (on, _), _ = pipeline_jobs
     for r in on:
@@ -61,6 +63,7 @@ def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(pip
         assert r["peak"] <= r["predicted_peak"]  # CPU copies are synchronous: never above the plan's peak
 
 
+@sharing("pipeline_jobs")
 def test_one_plan_per_stage_logged_once_the_same_on_replicas(pipeline_jobs):
     ranks, (on, text), (_, text_off) = pipeline_jobs
     digests = {r["stage"]: r["digest"] for r in on}
@@ -83,6 +86,7 @@ def fault_job(tmp_path: Path, transport: str, scenario: str) -> Job:
     return run_ranks(transport, [str(WORKER), "--config", str(cfg), "--out", str(tmp_path / "out"), "--fault", scenario])
 
 
+@DEADLINES
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_stage_rank_stopped_at_its_stages_agreement_is_named_by_every_rank(tmp_path, transport):
     # rank 3 is stage 1's second rank: its stage's first rank (2) names it; stage 0's ranks, done
@@ -91,12 +95,14 @@ def test_a_stage_rank_stopped_at_its_stages_agreement_is_named_by_every_rank(tmp
     assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
 
 
+@DEADLINES
 def test_a_stage_rank_dead_at_its_stages_agreement_is_named_by_every_rank(tmp_path):
     # (under MPI the launcher ends the whole job when a rank exits: nothing waits on the dead rank)
     job = fault_job(tmp_path, "torch", "kill3-agree")
     assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
 
 
+@DEADLINES
 def test_a_stage_rank_dead_before_the_node_facts_is_named_by_every_rank(tmp_path):
     job = fault_job(tmp_path, "torch", "kill1-facts")
     assert_named(job, [0, 2, 3], r"ranks \[1\] did not send their node facts")
