@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import slackswap_ds as ss
 from slackswap_ds.plan import Decision, Kind, Plan, lower
 from slackswap_ds.planners.common import keep_all
-from slackswap_ds.runtime.replay import is_compute
+from slackswap_ds.runtime.aten import is_compute
 
 
 class _CountOps(TorchDispatchMode):

@@ -5,7 +5,7 @@ import cycles; no module imports another module's underscore names; core and pla
 torch (tests/test_structure.py holds the package to this block):
 
     core         errors budget profile hardware plan model_config workloads
-    planning     simulator planners pipeline report tables
+    planning     simulator planners pipeline report
     runtime      runtime checkpointing bucketing topology dist channels agreement planfile
     integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run
     entry        cli

@@ -27,7 +27,8 @@ from .logs import EVERY_RANK, log, setup_logging
 from .plan import Plan
 from .plans import Agreed, PlanMaker, plan_summary
 from .reporting import StepReports, trace_path
-from .runtime.executor import Executor, StepStats
+from .runtime.executor import Executor
+from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
 from .shapes import Run, ShapeCache, ShapeKey, ShapeState, shape_key, shapes_of
 

@@ -40,7 +40,8 @@ from .plan import Plan
 from .plans import PlanMaker, plan_summary
 from .profile import StepProfile
 from .reporting import StepReports
-from .runtime.executor import Executor, StepStats
+from .runtime.executor import Executor
+from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
 from .shapes import Run, ShapeCache, ShapeKey, ShapeState, shape_key, shapes_of
 
@@ -188,7 +189,7 @@ class StageRuntime:
                          "for this batch)", self.stage, shapes_of(key), extra=EVERY_RANK)
             return session
         if self.shelter is None:
-            self.shelter = Executor(self.module, None, None)  # no plan: every saved tensor to host
+            self.shelter = Executor.shelter(self.module)  # no plan: every saved tensor to host
         return self.shelter
 
     # ---- profile -> plan -> agree (stage) -> exchange (job) -> apply -----------------------------

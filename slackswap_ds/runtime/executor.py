@@ -52,7 +52,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import threading
-import warnings
 import weakref
 from typing import Hashable, Protocol
 
@@ -74,14 +73,14 @@ from .records import DROPPED, Entry, Holder, Step
 from .regions import RegionTracker, find_layers
 from .replay import ReplayError, replaying
 from .residency import Residency
-from .stats import RunStats, StepStats
+from .stats import RunStats
 from .steps import Steps
 from .swaps import Swaps
 from .timeline import Timeline
 from .tracing import StepTracer
 from .verify import Replan, Verifier
 
-__all__ = ["Executor", "Observer", "ReplayError", "RunStats", "StepStats", "apply"]
+__all__ = ["Executor", "Observer", "PLAIN_TENSOR_TYPES", "apply"]
 
 # tensor subclasses (FakeTensor, DTensor, ...) are left to autograd
 PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
@@ -124,17 +123,15 @@ def _modified(key: str, saved: int, now: int):
 class Executor:
     """The context behind `apply` (see the module docstring). ``with executor as stats:``.
 
-    `Executor(model, schedule, profile, ...)` runs a lowered plan; `Executor.profiling` and
-    `Executor.shelter` run without one. (`Executor(model, None, None)`, the shelter's old
-    spelling, still works and warns.)"""
+    `Executor(model, schedule, profile, ...)` runs a lowered plan; without a plan, say which mode
+    with `Executor.profiling` or `Executor.shelter`."""
 
-    def __init__(self, model: nn.Module, schedule: Schedule | None, profile: StepProfile | None, *,
+    def __init__(self, model: nn.Module, schedule: Schedule | None = None, profile: StepProfile | None = None, *,
                  pool: HostPool | None = None, record: bool = False, verify: bool = True,
-                 replan: Replan | None = None, takeover: bool = True, device: Device | None = None):
-        if schedule is None:
-            warnings.warn("Executor(model, None, None) is deprecated: use Executor.shelter(model)",
-                          DeprecationWarning, stacklevel=2)
-        self._setup(model, pool, device, record=record, verify=verify, replan=replan, takeover=takeover)
+                 replan: Replan | None = None, takeover: bool = True, device: Device | None = None,
+                 observer: Observer | None = None, keep_bytes: int = 0):
+        self._setup(model, pool, device, record=record, verify=verify, replan=replan, takeover=takeover,
+                    observer=observer, keep_bytes=keep_bytes)
         if schedule is not None:
             self._steps.set_program(Program(schedule, profile))
 
@@ -143,14 +140,12 @@ class Executor:
                   pool: HostPool | None = None, device: Device | None = None) -> Executor:
         """No plan: saves stay on the device up to `keep_bytes` (default 0), the rest go to host and
         back; `observer` hears of every save and unpack (see the module docstring)."""
-        ex = cls.__new__(cls)
-        ex._setup(model, pool, device, observer=observer, keep_bytes=keep_bytes)
-        return ex
+        return cls(model, pool=pool, device=device, observer=observer, keep_bytes=keep_bytes)
 
     @classmethod
     def shelter(cls, model: nn.Module, *, pool: HostPool | None = None, device: Device | None = None) -> Executor:
         """No plan and no observer: every saved tensor to host, so that the step fits any budget."""
-        return cls.profiling(model, None, pool=pool, device=device)
+        return cls(model, pool=pool, device=device)
 
     def _setup(self, model: nn.Module, pool: HostPool | None, device: Device | None, *, record: bool = False,
                verify: bool = True, replan: Replan | None = None, takeover: bool = True,
@@ -196,6 +191,11 @@ class Executor:
     @property
     def pool(self) -> HostPool:
         return self._swaps.pool
+
+    @property
+    def replan(self) -> Replan:
+        """How this executor plans again after a verifying step demoted tensors (verify.py)."""
+        return self._verifier.replan
 
     @property
     def device(self) -> Device | None:

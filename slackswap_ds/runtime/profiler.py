@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from ..profile import Activation, Op, StepProfile
-from .executor import Executor, StepStats
+from .executor import Executor
+from .stats import StepStats
 from .naming import is_gap
 from .tracing import StepTracer, TracedSave
 

@@ -17,10 +17,8 @@ from slackswap_ds.plan import Decision, Kind, Plan, lower
 from slackswap_ds.planners.common import keep_all
 from slackswap_ds.runtime.device import Device
 from slackswap_ds.runtime.executor import Executor
-from slackswap_ds.runtime.executor import apply as run_under
 from slackswap_ds.runtime.host_pool import HostPool
 from slackswap_ds.runtime.program import Program
-from slackswap_ds.runtime.verify import swap_instead
 from slackswap_ds.simulator import simulate
 
 from exactness import assert_exact, profile, random_plan, run
@@ -307,7 +305,7 @@ def test_tensors_on_another_device_are_left_alone_and_counted():
     assert stats.last_step.other_device_bytes == 3 * 4 * 4 and stats.last_step.kept_bytes == 0
 
 
-def test_the_shelter_sends_every_saved_tensor_to_host_and_its_old_spelling_warns():
+def test_the_shelter_sends_every_saved_tensor_to_host():
     model = tiny("gpt2")
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     reference = run(model, step, ids)
@@ -316,28 +314,3 @@ def test_the_shelter_sends_every_saved_tensor_to_host_and_its_old_spelling_warns
     last = shelter.stats.last_step
     assert shelter.plan is None and last.kept_bytes == 0 and last.swapped_bytes > 0
     assert shelter.resident_bytes == 0
-    with pytest.warns(DeprecationWarning, match="Executor.shelter"):
-        old = Executor(model, None, None)
-    assert_exact(run(model, step, ids, old), reference)
-    assert old.stats.last_step.swapped_bytes == last.swapped_bytes
-
-
-def test_the_api_takes_a_planners_planned_with_its_schedule_and_re_plans_with_its_planner(monkeypatch):
-    """ss.apply runs a `Planned` on the schedule the planner lowered (never lowered again); its
-    default re-plan is the planner's (api.replan_without), the runtime's own is swap_instead."""
-    from slackswap_ds import api
-    from slackswap_ds.hardware import load_hardware
-    from slackswap_ds.planners import PRIVATE, get_planner
-
-    model = tiny("gpt2")
-    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
-    prof = profile(model, step, ids)
-    planned = get_planner("slackswap")(prof, load_hardware("a100-80g-pcie4"), prof.total_bytes // 2, PRIVATE)
-    lowered = []
-    monkeypatch.setattr("slackswap_ds.runtime.executor.lower", lambda *a: lowered.append(a))
-    ex = ss.apply(model, planned, prof)
-    assert ex.plan == planned.plan and not lowered
-    assert ex._verifier.replan is api.replan_without
-    monkeypatch.undo()
-    assert run_under(model, planned.plan, prof)._verifier.replan is swap_instead
-    assert_exact(run(model, step, ids, ex), run(model, step, ids))
