@@ -10,6 +10,43 @@ torch (tests/test_structure.py holds the package to this block):
     integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run
     entry        cli
 
+The map, one line per module (README.md, "What is in the box", says more):
+
+    errors          the package's exceptions: what was expected, what was found, what to do
+    budget          budgets and sizes: the one parser; a fraction of the keep-all peak -> bytes
+    profile         StepProfile, Op, Activation; canonical JSON and digests
+    hardware        GPU and node presets (configs/hardware/), each number with its source
+    plan            Decision, Plan, and its lowering to a per-stream Schedule
+    model_config    a Hugging Face config.json as a ModelSpec
+    workloads/      analytic per-op profiles: spec, presets (configs/workloads/), builder, layer
+    simulator       discrete-event simulation of Schedules on a GPU or a node
+    planners/       one signature -> Planned: common, slackswap, milp, optimal, baselines
+    pipeline        whole jobs: TP, SP, PP (1F1B), DP, ZeRO and ZeRO-Offload
+    report          traces, plots and the text tables of `slackswap simulate`
+    runtime/        plans run for real: executor, steps, entries, swaps, calls, replay, verify,
+                    residency, program, records, stats, aten, flat, tracing, profiler, regions,
+                    naming, takeover, host_pool, device, timeline
+    checkpointing   drop-in deepspeed.checkpointing (inline under a plan)
+    bucketing       pad_to_multiple for variable-length batches
+    topology        which GPUs share a host uplink
+    dist            rank facts, node layout, each rank's share of its node
+    agreement       the plan-agreement protocol over any channel (torch- and MPI-free)
+    channels        its MPI and torch.distributed-store transports
+    planfile        plan files: a plan per input shape, with what it was made for
+    config          the "slackswap" section of a DeepSpeed config
+    logs            the slackswap_ds logger, said once per job
+    deepspeed_api   every touch of DeepSpeed's API, private or not
+    machine         this machine: GPU preset, host uplinks, this rank's GPU, MPI launch
+    coordination    channels, node facts and shares, giving up without hanging
+    shapes          input-shape keys, the LRU of shape plans, how a step runs
+    plans           a plan within budget, fitted, agreed, installed, re-planned; plan files
+    reporting       log_every reports and trace paths
+    api             ss.apply (a Plan or a Planned) and its default re-plan
+    engine          ss.initialize and the DeepSpeed engine's hooks
+    stages          per-stage plans under DeepSpeed's PipelineEngine
+    routing, run    ss.install() / ss.uninstall(); python -m slackswap_ds.run
+    cli/            `slackswap simulate | plan`: arguments and printing; sweep
+
 The runtime names below (`apply`, `profile_step`, `initialize`, ...) are imported on first use.
 """
 

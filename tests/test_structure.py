@@ -73,27 +73,32 @@ def imports_of(root: Path, path: Path, modules: dict[str, Path]) -> list[Import]
     return out
 
 
-def read_layers(root: Path) -> dict[str, int]:
-    """{top-level module or subpackage: layer index} from the indented block that follows a line
-    starting with "Layers" in the package docstring; `__init__` is the package facade (top)."""
+def layer_rows(root: Path) -> list[list[str]]:
+    """The rows of the block that follows the line starting with "Layers" in the package
+    docstring: indented lines up to the first blank line after them; each `name member ...`."""
     doc = ast.get_docstring(ast.parse((root / "__init__.py").read_text())) or ""
     lines = doc.splitlines()
     start = next((i for i, line in enumerate(lines) if line.startswith("Layers")), None)
     assert start is not None, f"{root / '__init__.py'}: its docstring has no 'Layers' block"
-    layers: dict[str, int] = {}
-    rows = [line.split() for line in lines[start + 1:] if line.startswith("    ") and line.strip()]
-    for index, (_name, *members) in enumerate(rows):
-        for member in members:
-            layers[member] = index
+    rows: list[list[str]] = []
+    for line in lines[start + 1:]:
+        if line.startswith("    ") and line.strip():
+            rows.append(line.split())
+        elif rows and not line.strip():
+            break
+    return rows
+
+
+def read_layers(root: Path) -> dict[str, int]:
+    """{top-level module or subpackage: layer index}; `__init__` is the package facade (top)."""
+    rows = layer_rows(root)
+    layers = {member: index for index, (_name, *members) in enumerate(rows) for member in members}
     layers["__init__"] = len(rows)
     return layers
 
 
 def layer_names(root: Path) -> list[str]:
-    doc = ast.get_docstring(ast.parse((root / "__init__.py").read_text())) or ""
-    lines = doc.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Layers"))
-    return [line.split()[0] for line in lines[start + 1:] if line.startswith("    ") and line.strip()]
+    return [row[0] for row in layer_rows(root)]
 
 
 def top_of(root: Path, module: str) -> str:
@@ -236,7 +241,7 @@ def _write(root: Path, files: dict[str, str]) -> Path:
     return root
 
 
-_LAYERS = '"""A package.\n\nLayers, bottom up:\n\n    core  base other\n    upper top\n"""\n'
+_LAYERS = '"""A package.\n\nLayers, bottom up:\n\n    core  base other\n    upper top\n\nThe map:\n\n    base  not a layer\n"""\n'
 
 
 def test_the_checks_fail_on_a_package_that_breaks_them(tmp_path):
@@ -282,3 +287,15 @@ def test_the_checks_fail_on_a_package_that_breaks_them(tmp_path):
         "planners/__init__.py": "PLANNERS = {}\n",
     })
     assert check_runtime_imports(runtime) == ["pkg.runtime.executor:1: the runtime imports pkg.planners"]
+
+
+def test_the_package_docstring_and_the_readme_map_every_module():
+    doc = ast.get_docstring(ast.parse((PACKAGE / "__init__.py").read_text()))
+    the_map = doc[doc.index("The map"):]
+    readme = (PACKAGE.parent / "README.md").read_text()
+    box = readme[readme.index("## What is in the box"):]
+    box = box[:box.index("\n## ", 1)]
+    files = [p for p in PACKAGE.rglob("*.py") if not p.name.startswith("__")]
+    missing_doc = sorted(str(p.relative_to(PACKAGE)) for p in files if not re.search(rf"\b{p.stem}\b", the_map))
+    missing_readme = sorted(str(p.relative_to(PACKAGE)) for p in files if f"{p.name}" not in box)
+    assert missing_doc == [] and missing_readme == []
