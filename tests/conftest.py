@@ -109,3 +109,38 @@ def single_process_group():
                 os.environ[k] = v
 
 
+
+
+# ---- a plan travels once: how often a plan is lowered and simulated ---------------------------
+class PlanCounts:
+    """Every Schedule made (lower and retrigger both make one) and every simulation, counted by the
+    digest of the plan it is of; simulations also by (digest, GPU name): a link share of the
+    planning GPU keeps its name, the synchronous-copies check runs on another GPU."""
+
+    def __init__(self, monkeypatch):
+        import collections
+        import importlib
+
+        from slackswap_ds import simulator
+
+        plan_module = importlib.import_module("slackswap_ds.plan")  # (ss.plan, the function, shadows it)
+        self.lowered, self.simulated = collections.Counter(), collections.Counter()
+        self.simulated_on = collections.Counter()
+        real_schedule, real_simulate_node = plan_module.Schedule, simulator.simulate_node
+
+        def schedule(instrs, act_bytes, plan):
+            self.lowered[plan.digest] += 1
+            return real_schedule(instrs, act_bytes, plan)
+
+        def simulate_node(schedules, node, **kw):
+            self.simulated[schedules[0].plan.digest] += 1
+            self.simulated_on[schedules[0].plan.digest, node.gpu.name] += 1
+            return real_simulate_node(schedules, node, **kw)
+
+        monkeypatch.setattr(plan_module, "Schedule", schedule)
+        monkeypatch.setattr(simulator, "simulate_node", simulate_node)
+
+
+@pytest.fixture
+def plan_counts(monkeypatch) -> PlanCounts:
+    return PlanCounts(monkeypatch)

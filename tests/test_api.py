@@ -2,18 +2,17 @@
 lowered, so that a plan is lowered and simulated once from the planner to the executor; a bare
 `Plan` is lowered by `ss.apply` itself; the default re-plan after a demotion is the planner's."""
 
-import collections
-import importlib
-
 import pytest
 import torch
 
 import slackswap_ds as ss
-from slackswap_ds import api, simulator
+from slackswap_ds import api
 from slackswap_ds.hardware import load_hardware
 from slackswap_ds.planners import PRIVATE, get_planner
 from slackswap_ds.runtime.executor import apply as run_under
 from slackswap_ds.runtime.verify import swap_instead
+
+from runtime.exactness import assert_exact, run  # (tests/runtime/exactness.py: one step's loss and gradients)
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,59 +31,27 @@ def step(model, ids):
     return loss
 
 
-def train(model, ids, context=None):
-    """Loss and gradients of one step (dropout on, one seed), under `context` if given."""
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    if context is None:
-        loss = step(model, ids)
-    else:
-        with context:
-            loss = step(model, ids)
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-class Counts:
-    """Schedules made (lower and retrigger both make one) and simulations, by plan digest."""
-
-    def __init__(self, monkeypatch):
-        plan_module = importlib.import_module("slackswap_ds.plan")  # (ss.plan, the function, shadows it)
-        self.lowered, self.simulated = collections.Counter(), collections.Counter()
-        real_schedule, real_simulate_node = plan_module.Schedule, simulator.simulate_node
-
-        def schedule(instrs, act_bytes, plan):
-            self.lowered[plan.digest] += 1
-            return real_schedule(instrs, act_bytes, plan)
-
-        def simulate_node(schedules, node, **kw):
-            self.simulated[schedules[0].plan.digest] += 1
-            return real_simulate_node(schedules, node, **kw)
-
-        monkeypatch.setattr(plan_module, "Schedule", schedule)
-        monkeypatch.setattr(simulator, "simulate_node", simulate_node)
-
-
-def test_a_planned_plan_is_lowered_and_simulated_once_from_the_planner_to_the_executor(monkeypatch):
+def test_a_planned_plan_is_lowered_and_simulated_once_from_the_planner_to_the_executor(plan_counts):
     model, ids = tiny_gpt2(), torch.randint(1, 128, (2, 16))
     profile = ss.profile_step(model, step, ids, warmup=0)
-    counts = Counts(monkeypatch)
+    counts = plan_counts
     planned = get_planner("slackswap")(profile, load_hardware("a100-80g-pcie4"), profile.total_bytes // 2, PRIVATE)
     digest = planned.plan.digest
     assert (counts.lowered[digest], counts.simulated[digest]) == (1, 1)  # the planner's own, kept in `planned`
     executor = ss.apply(model, planned, profile)
     assert executor.plan == planned.plan
     assert (counts.lowered[digest], counts.simulated[digest]) == (1, 1)  # ss.apply added none
-    loss, grads = train(model, ids, executor)
-    want_loss, want_grads = train(model, ids)
-    assert torch.equal(loss, want_loss) and all(torch.equal(grads[n], want_grads[n]) for n in want_grads)
+    assert_exact(run(model, step, ids, executor), run(model, step, ids))
     assert executor.stats.last_step.peak_device_bytes > 0
 
 
-def test_a_bare_plan_is_lowered_by_apply(monkeypatch):
+def test_a_bare_plan_is_lowered_by_apply(plan_counts):
     model, ids = tiny_gpt2(), torch.randint(1, 128, (2, 16))
     profile = ss.profile_step(model, step, ids, warmup=0)
     plan = ss.plan(profile, "a100-80g-pcie4", 0.5)
-    counts = Counts(monkeypatch)
+    counts = plan_counts
+    counts.lowered.clear()
+    counts.simulated.clear()
     ss.apply(model, plan, profile)
     assert counts.lowered[plan.digest] == 1 and counts.simulated[plan.digest] == 0
 

@@ -438,49 +438,19 @@ def test_zero_offload_makes_plans_leave_its_link_time_and_pinned_memory(single_p
 
 
 # ---- a plan travels once: lowered and simulated once from the planner to the executor -------------
-class _Counts:
-    """Counts every Schedule made (lower and retrigger both make one) and every simulation, by the
-    digest of the plan it is of; simulations also by the GPU's name (a share of the planning GPU
-    keeps its name; the synchronous-copies check runs on another GPU)."""
-
-    def __init__(self, monkeypatch):
-        import collections
-        import importlib
-
-        from slackswap_ds import simulator
-
-        plan_module = importlib.import_module("slackswap_ds.plan")  # (ss.plan, the function, shadows it)
-
-        self.lowered, self.simulated = collections.Counter(), collections.Counter()
-        real_schedule, real_simulate_node = plan_module.Schedule, simulator.simulate_node
-
-        def schedule(instrs, act_bytes, plan):
-            self.lowered[plan.digest] += 1
-            return real_schedule(instrs, act_bytes, plan)
-
-        def simulate_node(schedules, node, **kw):
-            for s in schedules[:1]:
-                self.simulated[s.plan.digest, node.gpu.name] += 1
-            return real_simulate_node(schedules, node, **kw)
-
-        monkeypatch.setattr(plan_module, "Schedule", schedule)
-        monkeypatch.setattr(simulator, "simulate_node", simulate_node)
-
-
-def test_a_plan_is_lowered_and_simulated_once_on_its_way_to_the_executor(monkeypatch):
+def test_a_plan_is_lowered_and_simulated_once_on_its_way_to_the_executor(monkeypatch, plan_counts):
     import collections
 
     from slackswap_ds.plan import Plan
     from slackswap_ds.planners import common
 
     monkeypatch.setattr(common, "_KEEP_ALL_CACHE", collections.OrderedDict())  # the ideal is simulated here
-    counts = _Counts(monkeypatch)
     runtime = _steps({"activation_budget": 0.5}, seqs=(16, 16, 16))  # plain; profiled and planned; planned
     state, hw = next(iter(runtime.shapes.values())), runtime.plans.hw
     plan = state.plan
     assert state.executor.plan is plan and runtime.active_plan is plan
-    assert counts.lowered[plan.digest] == 1  # by the planner (or fit_triggers, for a retimed plan); never again
-    assert counts.simulated[plan.digest, hw.name] == 1  # the prediction is the planner's own simulation
+    assert plan_counts.lowered[plan.digest] == 1  # by the planner (or fit_triggers, for a retimed plan); never again
+    assert plan_counts.simulated_on[plan.digest, hw.name] == 1  # the prediction is the planner's own simulation
     keep_all = Plan.build(state.profile, common.keep_all(state.profile), budget_bytes=0, hardware_digest=hw.digest,
                           planner="keep-all")
-    assert counts.simulated[keep_all.digest, hw.name] == 1  # the ideal step: once per profile
+    assert plan_counts.simulated_on[keep_all.digest, hw.name] == 1  # the ideal step: once per profile

@@ -23,8 +23,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
-
 PACKAGE = Path(__file__).resolve().parents[1] / "slackswap_ds"
 TORCH_FREE_LAYERS = ("core", "planning")
 MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 500, 300, 60

@@ -259,38 +259,64 @@ def _route_to_experts(builder: CostBuilder, shape: LayerShape,
     return _Routing(router, route), _FeedForwardInput(routed, rows, rows * hidden * bytes_per_element, [])
 
 
+@dataclass(frozen=True)
+class _FeedForward:
+    """The ops of one feed-forward branch over `rows` tokens: projections into its width and back
+    (every expert's weights read once), and elementwise ops over its `width`-wide activations."""
+
+    builder: CostBuilder
+    shape: LayerShape
+    rows: int
+
+    @property
+    def elements(self) -> int:
+        return self.rows * self.shape.ffn_per_rank
+
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.builder.bytes_per_element
+
+    def _projection(self, name: str, elements_read_and_written: int) -> str:
+        spec, width = self.builder.spec, self.shape.ffn_per_rank
+        weights = spec.experts * spec.hidden * width  # weight elements of one projection (all experts)
+        return self.builder.matmul(self.shape.region, self.shape.mlp, name, 2.0 * self.rows * spec.hidden * width,
+                                   elements_read_and_written + weights, params=weights)
+
+    def widen(self, name: str) -> str:
+        """hidden -> width (fc1, gate, up)."""
+        return self._projection(name, self.rows * self.builder.spec.hidden + self.elements)
+
+    def narrow(self, name: str) -> str:
+        """width -> hidden (fc2, down)."""
+        return self._projection(name, self.elements + self.rows * self.builder.spec.hidden)
+
+    def elementwise(self, name: str, forward_passes: int, backward_passes: int) -> str:
+        """An HBM-bound op reading and writing `forward_passes` (backward: `backward_passes`) tensors of the width."""
+        return self.builder.hbm(self.shape.region, self.shape.mlp, name, forward_passes * self.nbytes,
+                                backward_passes * self.nbytes)
+
+
 def _gelu_mlp(builder: CostBuilder, shape: LayerShape, x: _FeedForwardInput) -> tuple[str, str]:
     """fc1 -> GeLU -> fc2. Returns (the last projection, its saved input)."""
-    spec, bytes_per_element, region, module = builder.spec, builder.bytes_per_element, shape.region, shape.mlp
-    rows, hidden, width = x.rows, spec.hidden, shape.ffn_per_rank
-    elements = rows * width
-    weights = spec.experts * hidden * width  # weight elements of one projection (all experts)
-    fc1 = builder.matmul(region, module, "fc1", 2.0 * rows * hidden * width, rows * hidden + weights + elements,
-                         params=weights)
+    branch, module = _FeedForward(builder, shape, x.rows), shape.mlp
+    fc1 = branch.widen("fc1")
     builder.save(x.tensor.key, x.nbytes, [fc1], x.tensor.producers, x.tensor.deps)
-    gelu = builder.hbm(region, module, "gelu", 2 * elements * bytes_per_element, 3 * elements * bytes_per_element)
-    builder.save(f"{module}:fc1.out", elements * bytes_per_element, [gelu], x.regather + [fc1], [x.tensor.key])
-    fc2 = builder.matmul(region, module, "fc2", 2.0 * rows * width * hidden, elements + weights + rows * hidden,
-                         params=weights)
-    builder.save(f"{module}:gelu.out", elements * bytes_per_element, [fc2], [gelu], [f"{module}:fc1.out"])
+    gelu = branch.elementwise("gelu", 2, 3)
+    builder.save(f"{module}:fc1.out", branch.nbytes, [gelu], x.regather + [fc1], [x.tensor.key])
+    fc2 = branch.narrow("fc2")
+    builder.save(f"{module}:gelu.out", branch.nbytes, [fc2], [gelu], [f"{module}:fc1.out"])
     return fc2, f"{module}:gelu.out"
 
 
 def _swiglu_mlp(builder: CostBuilder, shape: LayerShape, x: _FeedForwardInput) -> tuple[str, str]:
     """down(silu(gate(x)) * up(x)). Returns (the last projection, its saved input)."""
-    spec, bytes_per_element, region, module = builder.spec, builder.bytes_per_element, shape.region, shape.mlp
-    rows, hidden, width = x.rows, spec.hidden, shape.ffn_per_rank
-    elements = rows * width
-    weights = spec.experts * hidden * width  # weight elements of one projection (all experts)
-    gate = builder.matmul(region, module, "gate", 2.0 * rows * hidden * width, rows * hidden + weights + elements,
-                          params=weights)
-    silu = builder.hbm(region, module, "silu", 2 * elements * bytes_per_element, 3 * elements * bytes_per_element)
-    up = builder.matmul(region, module, "up", 2.0 * rows * hidden * width, rows * hidden + weights + elements,
-                        params=weights)
-    mul = builder.hbm(region, module, "mul", 3 * elements * bytes_per_element, 5 * elements * bytes_per_element)
-    down = builder.matmul(region, module, "down", 2.0 * rows * width * hidden, elements + weights + rows * hidden,
-                          params=weights)
-    nbytes = elements * bytes_per_element
+    branch, module = _FeedForward(builder, shape, x.rows), shape.mlp
+    gate = branch.widen("gate")
+    silu = branch.elementwise("silu", 2, 3)
+    up = branch.widen("up")
+    mul = branch.elementwise("mul", 3, 5)
+    down = branch.narrow("down")
+    nbytes = branch.nbytes
     builder.save(x.tensor.key, x.nbytes, [gate, up], x.tensor.producers, x.tensor.deps)
     builder.save(f"{module}:gate.out", nbytes, [silu], x.regather + [gate], [x.tensor.key])
     builder.save(f"{module}:up.out", nbytes, [mul], x.regather + [up], [x.tensor.key])
