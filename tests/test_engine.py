@@ -3,7 +3,6 @@ runtime's lifecycle in process (one rank, no launcher)."""
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -12,19 +11,9 @@ from slackswap_ds.engine import SlackSwapRuntime
 from slackswap_ds.errors import InvalidFileError, PlanError
 from slackswap_ds.plan import Decision
 
-from jobs import ROOT, deepspeed_line, launch_in_turn, run_launch, sharing
+from jobs import ROOT, launch_in_turn, sharing
 
 pytest.importorskip("deepspeed")
-
-
-def launch(tmp_path: Path, name: str, config: dict, steps: int) -> tuple[list[float], str]:
-    """launch/train.py, the README's job, under `deepspeed --num_gpus 2`: its losses and output."""
-    cfg_path = tmp_path / f"{name}.json"
-    cfg_path.write_text(json.dumps(config))
-    losses = tmp_path / f"{name}.losses.json"
-    out = run_launch(deepspeed_line(2, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg_path),
-                                    "--steps", str(steps), "--losses", str(losses)))
-    return json.loads(losses.read_text()), out
 
 
 def base_config(stage: int) -> dict:
@@ -46,21 +35,30 @@ def zero_stage_config(stage: int, enabled: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def zero_stages_job(tmp_path_factory) -> dict[str, tuple[list[float], str]]:
-    """launch/train.py under every ZeRO stage, disabled and enabled, in one 2-rank launch
-    (tests/launch/in_turn.py: each run is train.py's main, a fresh model from its seed): the
-    losses and the output of each run, by name ("off0".."off3", "on0".."on3"). The disabled runs
-    come first: the references are trained in processes where SlackSwap has not yet run."""
+    """launch/train.py under every ZeRO stage, disabled and enabled, then twice with a plan_file, in
+    one 2-rank launch (tests/launch/in_turn.py: each run is train.py's main, a fresh model from its
+    seed): the losses and the output of each run, by name ("off0".."off3", "on0".."on3", "file1",
+    "file2"), and the job's folder ("tmp"). The disabled runs come first: the references are trained
+    in processes where SlackSwap has not yet run."""
     tmp = tmp_path_factory.mktemp("zero_stages")
     runs = []
+
+    def add(name: str, config: dict, steps: int) -> None:
+        (tmp / f"{name}.json").write_text(json.dumps(config))
+        runs.append([name, ["--deepspeed_config", str(tmp / f"{name}.json"), "--steps", str(steps),
+                            "--losses", str(tmp / f"{name}.losses.json")]])
+
     for enabled in (False, True):
         for stage, steps in ZERO_STAGES:
-            name = f"{'on' if enabled else 'off'}{stage}"
-            (tmp / f"{name}.json").write_text(json.dumps(zero_stage_config(stage, enabled)))
-            runs.append([name, ["--deepspeed_config", str(tmp / f"{name}.json"), "--steps", str(steps),
-                                "--losses", str(tmp / f"{name}.losses.json")]])
-    (tmp / "runs.json").write_text(json.dumps(runs))
+            add(f"{'on' if enabled else 'off'}{stage}", zero_stage_config(stage, enabled), steps)
+    # then a job that writes its plan_file, and one that finds it (each its own trace_file)
+    for name, steps in (("file1", 5), ("file2", 4)):
+        config = base_config(0)
+        config["slackswap"].update(plan_file=str(tmp / "plan.json"), trace_file=str(tmp / f"{name}.trace.json"))
+        add(name, config, steps)
     logs = launch_in_turn(2, ROOT / "launch" / "train.py", runs, tmp)
-    return {name: (json.loads((tmp / f"{name}.losses.json").read_text()), logs[name]) for name, _ in runs}
+    return {name: (json.loads((tmp / f"{name}.losses.json").read_text()), logs[name]) for name, _ in runs} | {
+        "tmp": tmp}
 
 
 @sharing("zero_stages_job")
@@ -169,21 +167,21 @@ def test_bad_paths_fail_when_the_config_loads(tmp_path):
         load_config({"slackswap": {"trace_file": str(tmp_path)}})
 
 
-def test_plan_file_is_written_then_reused_and_traces_are_written(tmp_path):
-    config = base_config(0)
-    config["slackswap"].update(plan_file=str(tmp_path / "plan.json"), trace_file=str(tmp_path / "trace.json"))
-    _, first = launch(tmp_path, "first", config, 5)
-    saved = json.loads((tmp_path / "plan.json").read_text())
+@sharing("zero_stages_job")
+def test_plan_file_is_written_then_reused_and_traces_are_written(zero_stages_job):
+    tmp = zero_stages_job["tmp"]
+    (_, first), (_, second) = zero_stages_job["file1"], zero_stages_job["file2"]
+    saved = json.loads((tmp / "plan.json").read_text())
     assert saved["format"] == "slackswap.planfile/1" and len(saved["plans"]) == 1
-    measured = json.loads((tmp_path / "trace.json").read_text())
-    predicted = json.loads((tmp_path / "trace.predicted.json").read_text())
+    measured = json.loads((tmp / "file1.trace.json").read_text())
+    predicted = json.loads((tmp / "file1.trace.predicted.json").read_text())
     assert "measured" in measured["otherData"]["title"] and "predicted" in predicted["otherData"]["title"]
     assert {e["cat"] for e in measured["traceEvents"] if e.get("ph") == "X"} >= {"fwd", "bwd"}
-    _, second = launch(tmp_path, "second", config, 4)
     assert "using the plan in plan_file" not in first
-    assert f"using the plan in plan_file {tmp_path / 'plan.json'}" in second
-    # the adopted plan was not written again: the file is the first run's
-    assert json.loads((tmp_path / "plan.json").read_text()) == saved
+    assert f"using the plan in plan_file {tmp / 'plan.json'}" in second
+    # the adopted plan was not written again: the file is as the first run left it, before its trace
+    assert (tmp / "plan.json").stat().st_mtime_ns <= (tmp / "file1.trace.json").stat().st_mtime_ns
+    assert (tmp / "file2.trace.json").exists()  # (the second run did get this far)
 
 
 class _EngineShim:

@@ -22,8 +22,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
@@ -246,6 +244,11 @@ class _MilpModel:
     def solve(self, options: MilpOptions):
         """HiGHS on the model: minimise the recompute time of the re-run ops (binaries integral in
         [0, 1], continuous variables in [0, inf))."""
+        # scipy only here: half a second of import that every rank and CLI run that never solves a
+        # MILP (everything but the optimal planner) would pay
+        from scipy.optimize import Bounds, LinearConstraint, milp
+        from scipy.sparse import coo_matrix
+
         n, n_binary = len(self.col), self.n_binary
         cost = np.zeros(n)
         for (kind, key), j in self.col.items():
