@@ -35,7 +35,7 @@ from .machine import resolve_hardware
 from .plan import Plan, lower
 from .planfile import MadeFor
 from .planners import PLANNERS, get_planner, keep_all_result, refusal
-from .planners.common import Planned, fit_triggers, held_bytes
+from .planners.common import Planned, fit_triggers, held_bytes, simulated
 from .profile import StepProfile
 from .runtime.device import Device
 from .runtime.executor import apply
@@ -51,7 +51,7 @@ FALLBACK_PLANNERS = ("offload-all", "full-recompute")
 @dataclass(frozen=True)
 class Agreed:
     """The plan every rank of a group runs, with the profile it was made for (the lead's), and the
-    lead's `Planned` (None elsewhere, and for a plan read from plan_file)."""
+    lead's `Planned` (a planner's, or the plan_file's plan simulated; None on the other ranks)."""
 
     profile: StepProfile
     plan: Plan
@@ -125,12 +125,12 @@ class PlanMaker:
         plan = planned = None
         if channel.rank == 0:
             made_for = self.made_for(local, budget, key) if use_plan_file and self.cfg.plan_file else None
-            plan = self.load_plan(local, made_for) if made_for is not None else None
-            if plan is None:
+            planned = self.load_plan(local, made_for) if made_for is not None else None
+            if planned is None:
                 planned = self.fit_to_device(local, self.within_budget(local, budget, self.cfg.planner))
-                plan = planned.plan
                 if made_for is not None:
-                    self.save_plan(made_for, plan)
+                    self.save_plan(made_for, planned.plan)
+            plan = planned.plan
         profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
         return Agreed(profile, plan, planned)
 
@@ -175,28 +175,44 @@ class PlanMaker:
             share=f"d2h {share.d2h_bps} h2d {share.h2d_bps} pool {share.host_pool_bytes}",
             world=f"{self.coordinator.job_channel().world} ranks, {self.coordinator.shares.node_ranks} per node")
 
-    def load_plan(self, profile: StepProfile, made_for: MadeFor) -> Plan | None:
+    def load_plan(self, profile: StepProfile, made_for: MadeFor) -> Planned | None:
         """The plan_file's plan made for exactly this job (rebuilt for this profile: the same
-        decisions and triggers), or None; a file with none is refused with the reason."""
+        decisions and triggers), lowered and simulated once, or None; a file with none, or whose
+        plan does not keep this job's budget (an edited file), is refused with the reason."""
         path = self.cfg.plan_file
         if not path:
             return None
         entries = planfile.read(path)  # a malformed or foreign file raises with the reason
         entry, why = planfile.find(entries, made_for)
-        if entry is None:
-            if why:
-                message = f"plan_file {path!r} has no plan made for this job ({'; '.join(why)})"
-                if self.cfg.plan_file_mismatch == "error":
-                    raise PlanError(message + '; delete the file, or set "plan_file_mismatch": "replan"')
-                log.warning("slackswap: %s: planning afresh", message)
+        planned = None
+        if entry is not None:
+            try:
+                entry.plan.check(profile)
+            except PlanError as e:
+                raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
+            planned = simulated(profile, entry.plan.rebuilt(profile), self.hw, self.coordinator.shares.plan,
+                                self.holds)
+            why = self._over_budget(planned, made_for.budget_bytes)
+        if why:
+            message = f"plan_file {path!r} has no plan made for this job ({'; '.join(why)})"
+            if self.cfg.plan_file_mismatch == "error":
+                raise PlanError(message + '; delete the file, or set "plan_file_mismatch": "replan"')
+            log.warning("slackswap: %s: planning afresh", message)
             return None
-        plan = entry.plan
-        try:
-            plan.check(profile)
-        except PlanError as e:
-            raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
-        log.info("slackswap: using the plan in plan_file %s (%s)", path, plan.digest[:12])
-        return plan.rebuilt(profile)
+        if planned is not None:
+            log.info("slackswap: using the plan in plan_file %s (%s)", path, planned.plan.digest[:12])
+        return planned
+
+    @staticmethod
+    def _over_budget(planned: Planned, budget: int) -> list[str]:
+        """Why a plan read from a file cannot run within `budget` (nothing if it can): its file was
+        edited, or the simulator finds its peak over the budget."""
+        plan = planned.plan
+        if plan.budget_bytes != budget:
+            return [f"its plan's budget is {plan.budget_bytes:,} B, the job's {budget:,} B"]
+        if not planned.result.feasible or planned.peak_bytes > budget:
+            return [f"its plan peaks at {planned.peak_bytes:,} B, over the budget of {budget:,} B"]
+        return []
 
     def save_plan(self, made_for: MadeFor, plan: Plan) -> None:
         """Add the plan to plan_file (atomically; rank 0 only); a read-only file is left as it is."""

@@ -147,6 +147,39 @@ def test_plan_file_that_is_corrupt_or_foreign_is_refused(tmp_path):
             _steps({"plan_file": str(path)})
 
 
+def test_a_plan_file_edited_to_keep_more_than_the_budget_is_refused(tmp_path, caplog):
+    """Its "made for" record intact, every decision set to keep (or its budget raised): the plan
+    would run over the budget, so it is refused with the reason and planned afresh, never run."""
+    import logging
+
+    path = tmp_path / "plans.json"
+    _steps({"plan_file": str(path)})
+    made = json.loads(path.read_text())
+    for edit in ("keep everything", "raise the budget"):
+        data = json.loads(json.dumps(made))
+        plan = data["plans"][0]["plan"]
+        if edit == "keep everything":
+            plan["decisions"] = dict.fromkeys(plan["decisions"], Decision.KEEP.value)
+            plan["prefetch"] = {}
+            reason = "over the budget of"
+        else:
+            plan["budget_bytes"] *= 2
+            reason = "its plan's budget is"
+        path.write_text(json.dumps(data))
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+            runtime = _steps({"plan_file": str(path)})
+        messages = [r.getMessage() for r in caplog.records]
+        assert any("has no plan made for this job" in m and reason in m for m in messages), (edit, messages)
+        assert not any("using the plan in plan_file" in m for m in messages)
+        state = next(iter(runtime.shapes.values()))
+        assert state.plan.budget_bytes == plan["budget_bytes"] // (2 if edit == "raise the budget" else 1)
+        assert state.executor.stats.last_step.peak_device_bytes <= state.plan.budget_bytes
+        path.write_text(json.dumps(data))
+        with pytest.raises(PlanError, match=reason):
+            _steps({"plan_file": str(path), "plan_file_mismatch": "error"})
+
+
 def test_a_plan_file_that_cannot_be_written_is_used_and_never_rewritten(tmp_path, monkeypatch):
     from slackswap_ds import planfile
 

@@ -396,6 +396,16 @@ def held_bytes(profile: StepProfile, decisions: Mapping[str, Decision], holds: i
     return (holds - 1) * sum(a.bytes for a in profile.activations if decisions[a.key] is Decision.KEEP)
 
 
+def simulated(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = PRIVATE, holds: int = 1) -> Planned:
+    """A plan no planner made here (read from a plan file, written by hand) lowered and simulated
+    once, as a planner's plan is: whoever installs it takes the lowering and the simulation from here,
+    and `result.feasible` says whether it keeps its budget."""
+    held = held_bytes(profile, plan.decision, holds)
+    schedule = lower(profile, plan)
+    return Planned(plan, schedule, simulate(schedule, share.limit(hw), budget_bytes=plan.budget_bytes - held,
+                                            record=False), held)
+
+
 def fit_triggers(profile: StepProfile, planned: Planned, hw: Hardware, device: Hardware, share: Share = PRIVATE,
                  holds: int = 1) -> Planned:
     """`planned` as it should run on `device`, another device than the `hw` it was planned for:
