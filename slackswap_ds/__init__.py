@@ -4,7 +4,7 @@ Layers, bottom up: a module imports from its own layer or a lower one, never a h
 import cycles; no module imports another module's underscore names; core and planning import no
 torch (tests/test_structure.py holds the package to this block):
 
-    core         errors budget profile hardware plan model_config workloads
+    core         errors files budget profile hardware plan model_config workloads
     planning     simulator planners pipeline report
     runtime      runtime checkpointing bucketing topology dist channels agreement planfile
     integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run
@@ -13,6 +13,7 @@ torch (tests/test_structure.py holds the package to this block):
 The map, one line per module (README.md, "What is in the box", says more):
 
     errors          the package's exceptions: what was expected, what was found, what to do
+    files           JSON read with errors that name the file; atomic writes, never through a link
     budget          budgets and sizes: the one parser; a fraction of the keep-all peak -> bytes
     profile         StepProfile, Op, Activation; canonical JSON and digests
     hardware        GPU and node presets (configs/hardware/), each number with its source

@@ -30,10 +30,11 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .budget import Budget, parse_budget_value, parse_optional_size
 from .errors import SlackSwapError
+from .files import refuse_unless_regular
 from .hardware import load_hardware, load_node, preset_names
 
 SECTION = "slackswap"
@@ -313,17 +314,27 @@ class SlackSwapConfig(BaseModel):
 
     @field_validator("plan_file", "trace_file")
     @classmethod
-    def _path_or_none(cls, v: str | None) -> str | None:
+    def _path_or_none(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
             return v
         if not v.strip():
             raise ValueError("an empty path. Fix: give a file path, or null to turn it off")
+        if "\0" in v:
+            raise ValueError("a path with a NUL character, which no file system accepts. Fix: remove it")
         folder = os.path.dirname(os.path.abspath(v))
         if not os.path.isdir(folder):
             raise ValueError(f"its folder {folder!r} does not exist. Fix: create it, or give a path in an "
                              f"existing folder")
         if os.path.isdir(v):
             raise ValueError("a folder, not a file. Fix: give a file path in it")
+        try:
+            refuse_unless_regular(v)
+        except OSError:
+            raise ValueError("it exists and is not a regular file (a device, a FIFO, ...), which SlackSwap never "
+                             "replaces. Fix: give the path of a file") from None
+        if info.field_name == "trace_file" and not os.access(folder, os.W_OK):
+            raise ValueError(f"its folder {folder!r} cannot be written (read-only, or not yours). Fix: give a "
+                             f"path in a folder you can write, or null")
         return v
 
 
@@ -410,6 +421,9 @@ def load_config(ds_config: dict | str | os.PathLike) -> SlackSwapConfig:
                 f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}). Fix: correct the "
                 "JSON (no comments, no trailing commas, double-quoted keys)", source
             ) from None
+        except (ValueError, RecursionError) as e:  # a 100k-digit number; nested 100k deep
+            raise ConfigError(f"{path}: not a JSON config DeepSpeed can read "
+                              f"({e if isinstance(e, ValueError) else 'nested too deeply'})", source) from None
     if not isinstance(ds_config, dict):
         raise ConfigError(
             f"the DeepSpeed config: found {_found(ds_config)}; expected a JSON object (a dict). Fix: pass a dict "

@@ -26,7 +26,7 @@ from .deepspeed_api import (MARK, config_given, hook_forward_backward, initializ
 from .logs import EVERY_RANK, log, setup_logging
 from .plan import Plan
 from .plans import Agreed, PlanMaker, plan_summary
-from .reporting import StepReports, trace_path
+from .reporting import StepReports, write_trace
 from .runtime.executor import Executor
 from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
@@ -154,10 +154,8 @@ class SlackSwapRuntime:
         self.reports.step(state.plan, state.prediction, stats.peak_device_bytes, stats.fallbacks)
         timeline = state.executor.stats.last_timeline
         if timeline is not None and state.executor.record:
-            from .report import write_trace
-
             state.executor.record = False  # one measured step is enough
-            write_trace(timeline, trace_path(self.cfg.trace_file, "measured"), budget_bytes=state.plan.budget_bytes,
+            write_trace(timeline, self.cfg.trace_file, "measured", budget_bytes=state.plan.budget_bytes,
                         title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
@@ -168,12 +166,11 @@ class SlackSwapRuntime:
         sim = self.plans.install(state, agreed, record=record)
         self._say_plan(state, agreed, channel.rank, channel.world)
         if record:
-            from .report import write_trace
-
-            # the prediction now; the first measured step replaces it (same format, see _after_backward)
-            write_trace(sim, trace_path(self.cfg.trace_file, "predicted"), budget_bytes=agreed.plan.budget_bytes,
-                        title=f"slackswap plan {agreed.plan.digest[:12]} (predicted)")
-            state.executor.record = True
+            # the prediction now; the first measured step beside it (same format, see _after_backward),
+            # unless the trace could not be written
+            state.executor.record = write_trace(sim, self.cfg.trace_file, "predicted",
+                                                budget_bytes=agreed.plan.budget_bytes,
+                                                title=f"slackswap plan {agreed.plan.digest[:12]} (predicted)")
 
     def _say_plan(self, state: ShapeState, agreed: Agreed, rank: int, world: int) -> None:
         """One plan line per job (rank 0's), and one from each rank whose link share differs."""

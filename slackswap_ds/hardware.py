@@ -31,6 +31,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import InvalidFileError, UnknownNameError
+from .files import read_json
 
 STATUSES = ("datasheet", "measured", "derived", "unmeasured")
 FORMAT = "slackswap.hardware/1"
@@ -221,10 +222,7 @@ def _read(name_or_path: str | Path, kind: str) -> tuple[dict, Path]:
         path = hardware_dir() / f"{name_or_path}.json"
         if not path.exists():
             raise UnknownNameError(f"{kind} preset", str(name_or_path), preset_names(kind))
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise InvalidFileError(f"hardware file {str(path)!r} is not valid JSON: {e}") from e
+    data = read_json(path, "hardware file")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InvalidFileError(f"hardware file {str(path)!r}: expected a JSON object with \"format\": \"{FORMAT}\"")
     if data.get("kind") != kind:

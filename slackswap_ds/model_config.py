@@ -163,8 +163,8 @@ def _load(config: str | os.PathLike | dict) -> tuple[dict[str, Any], str, str]:
         raise InvalidFileError(f"{where}: cannot read it ({e})") from None
     try:
         cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise InvalidFileError(f"{where}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # not JSON; a 100k-digit number; nested 100k deep
+        raise InvalidFileError(f"{where}: not valid JSON ({e if isinstance(e, ValueError) else 'nested too deeply'})") from None
     if not isinstance(cfg, dict):
         raise InvalidFileError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, where, path.name

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Mapping
 
 from .errors import InvalidFileError, PlanError
+from .files import read_json
 from .profile import Activation, StepProfile
 
 PLAN_FORMAT = "slackswap.plan/1"
@@ -190,7 +191,7 @@ class Plan:
             return cls(
                 decisions=tuple(sorted((str(k), Decision(v)) for k, v in d["decisions"].items())),
                 prefetch=tuple(sorted((str(k), str(v)) for k, v in d["prefetch"].items())),
-                budget_bytes=int(d["budget_bytes"]),
+                budget_bytes=_byte_count(d["budget_bytes"]),
                 profile_digest=str(d["profile_digest"]),
                 hardware_digest=str(d["hardware_digest"]),
                 planner=str(d["planner"]),
@@ -207,10 +208,7 @@ class Plan:
     @classmethod
     def load(cls, path: str | Path, profile: StepProfile | None = None) -> "Plan":
         """Read a plan file; with `profile`, also refuse a plan made for another profile."""
-        try:
-            plan = cls.from_json(json.loads(Path(path).read_text()))
-        except (OSError, json.JSONDecodeError) as e:
-            raise InvalidFileError(f"cannot read plan {str(path)!r}: {e}") from e
+        plan = cls.from_json(read_json(path, "plan"))
         if profile is not None:
             if plan.profile_digest != profile.digest:
                 raise PlanError(
@@ -219,6 +217,13 @@ class Plan:
                 )
             plan.check(profile)
         return plan
+
+
+def _byte_count(v: object) -> int:
+    """A JSON integer >= 0 (not a float, a string or a bool, which int() would quietly turn into one)."""
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise ValueError(f"budget_bytes must be an integer >= 0, got {v!r}")
+    return v
 
 
 def _strict_bool(v: object) -> bool:

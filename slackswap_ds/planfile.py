@@ -8,7 +8,7 @@ every one of these equals the running job's; otherwise the reason is given (each
 with both values) and the job plans afresh, or stops if asked to.
 
 Writes are atomic (a temporary file in the same folder, then `os.replace`), so a reader never sees
-half a file, and come from rank 0 only. A file that cannot be written (read-only) is used as it is
+half a file, never go through a link (files.py), and come from rank 0 only. A file that cannot be written (read-only) is used as it is
 and never rewritten. Torch-free.
 """
 
@@ -17,11 +17,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidFileError
+from .files import read_json, write_atomically
 from .plan import Plan
 
 FORMAT = "slackswap.planfile/1"
@@ -68,10 +68,7 @@ def read(path: str | Path) -> list[Entry]:
     path = Path(path)
     if not path.exists():
         return []
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise InvalidFileError(f"cannot read plan_file {str(path)!r}: {e}; delete it to plan afresh") from None
+    data = read_json(path, "plan_file", "; delete it to plan afresh")
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("plans"), list):
         raise InvalidFileError(f"{str(path)!r} is not a slackswap plan file (expected a JSON object with \"format\": "
                                f"\"{FORMAT}\" and a list of \"plans\"); delete it to plan afresh")
@@ -103,24 +100,11 @@ def writable(path: str | Path) -> bool:
 
 
 def write(path: str | Path, entries: list[Entry]) -> None:
-    """Write `entries` atomically: readers see the old file or the new one, never a mix."""
+    """Write `entries` atomically, never through a link (files.write_atomically)."""
     path = Path(path)
     data = {"format": FORMAT, "plans": [{"made_for": e.made_for.to_json(), "plan": e.plan.to_json()}
                                         for e in entries]}
-    text = json.dumps(data, indent=1, sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def upsert(entries: list[Entry], entry: Entry) -> list[Entry]:

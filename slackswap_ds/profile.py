@@ -32,6 +32,7 @@ from functools import cached_property
 from pathlib import Path
 
 from .errors import InvalidFileError, ProfileError
+from .files import read_json
 
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=[.:]|$)")
 
@@ -271,8 +272,4 @@ class StepProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "StepProfile":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise InvalidFileError(f"cannot read profile {str(path)!r}: {e}") from e
-        return cls.from_json(data)
+        return cls.from_json(read_json(path, "profile"))

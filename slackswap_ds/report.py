@@ -35,6 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from .budget import Budget
 from .errors import SlackSwapError
+from .files import write_atomically
 from .pipeline import Job, StepResult
 from .plan import Decision, Plan
 from .profile import StepProfile
@@ -111,11 +112,12 @@ def chrome_trace(result: Any, *, title: str, budget_bytes: int | None = None) ->
 
 
 def write_trace(result: Any, path: str | Path, **kw: Any) -> Path:
-    """Write `chrome_trace(result, **kw)` to `path` (title defaults to the file name); returns the path."""
+    """Write `chrome_trace(result, **kw)` to `path` (title defaults to the file name) atomically, never
+    through a link (files.write_atomically); returns the path. ReportError if it cannot."""
     path = Path(path)
     kw.setdefault("title", path.stem)
     try:
-        path.write_text(json.dumps(chrome_trace(result, **kw), separators=(",", ":")) + "\n")
+        write_atomically(path, json.dumps(chrome_trace(result, **kw), separators=(",", ":")) + "\n")
     except OSError as e:
         raise ReportError(f"cannot write trace {str(path)!r}: {e}") from e
     return path

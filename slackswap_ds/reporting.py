@@ -58,4 +58,18 @@ def trace_path(trace_file: str, kind: str) -> str:
     return f"{root}.{kind}{ext or '.json'}"
 
 
-__all__ = ["StepReports", "trace_path"]
+def write_trace(result, trace_file: str, kind: str, **kw) -> bool:
+    """The `kind` ("predicted", "measured") trace of `result` at its path beside `trace_file`;
+    whether it was written. A trace that cannot be written (a full disk, a read-only folder, a path
+    that is not a regular file) is a warning: the job trains on without it."""
+    from .report import ReportError, write_trace as write
+
+    try:
+        write(result, trace_path(trace_file, kind), **kw)
+    except ReportError as e:
+        log.warning("slackswap: %s; training goes on without the trace", e)
+        return False
+    return True
+
+
+__all__ = ["StepReports", "trace_path", "write_trace"]

@@ -291,6 +291,28 @@ def test_file_missing_or_unreadable(tmp_path):
         load_config(p)
 
 
+def test_a_file_path_that_cannot_be_a_file_is_refused_at_once(tmp_path):
+    """Before any training step: a NUL in the path, a device or a FIFO where the file would go."""
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)
+    for field in ("plan_file", "trace_file"):
+        for path, why in [(str(tmp_path / "a\0b.json"), "NUL character"), ("/dev/full", "not a regular file"),
+                          (str(fifo), "not a regular file")]:
+            with pytest.raises(ConfigError, match=f"slackswap.{field}: .*{why}"):
+                load_config({"slackswap": {field: path}})
+
+
+def test_a_config_file_nested_too_deeply_or_with_a_huge_number_is_named(tmp_path):
+    p = tmp_path / "ds.json"
+    for text, why in [("[" * 100_000 + "]" * 100_000, "nested too deeply"), ('{"x": ' + "9" * 100_000 + "}", "digits")]:
+        p.write_text(text)
+        with pytest.raises(ConfigError, match=why) as info:
+            load_config(p)
+        assert str(p) in str(info.value)
+
+
 def test_all_problems_at_once(tmp_path):
     p = tmp_path / "ds.json"
     p.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "slackswap": {

@@ -180,6 +180,33 @@ def test_a_plan_file_edited_to_keep_more_than_the_budget_is_refused(tmp_path, ca
             _steps({"plan_file": str(path), "plan_file_mismatch": "error"})
 
 
+def test_a_trace_that_cannot_be_written_is_a_warning_and_training_goes_on(tmp_path, caplog):
+    """The predicted trace's path is taken by a folder: a warning naming it, no measured trace, and
+    every step still runs under the plan (a trace never ends a job)."""
+    import logging
+
+    (tmp_path / "trace.predicted.json").mkdir()
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        runtime = _steps({"trace_file": str(tmp_path / "trace.json")}, seqs=(16,) * 5)
+    assert any("cannot write trace" in r.getMessage() and "trace.predicted.json" in r.getMessage()
+               and "training goes on" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "trace.json").exists()
+    state = next(iter(runtime.shapes.values()))
+    assert state.executor.stats.steps == 3  # the steps after the profiled one, all planned
+
+
+def test_traces_and_plan_files_replace_a_planted_link_instead_of_writing_through_it(tmp_path):
+    victim, unborn = tmp_path / "victim.txt", tmp_path / "unborn.txt"
+    victim.write_text("precious")
+    for name in ("trace.json", "trace.predicted.json"):
+        (tmp_path / name).symlink_to(victim)
+    (tmp_path / "plans.json").symlink_to(unborn)  # dangling: a write through it would create the file
+    _steps({"trace_file": str(tmp_path / "trace.json"), "plan_file": str(tmp_path / "plans.json")}, seqs=(16,) * 4)
+    assert victim.read_text() == "precious" and not unborn.exists()
+    for name in ("trace.json", "trace.predicted.json", "plans.json"):
+        assert not (tmp_path / name).is_symlink() and json.loads((tmp_path / name).read_text())
+
+
 def test_a_plan_file_that_cannot_be_written_is_used_and_never_rewritten(tmp_path, monkeypatch):
     from slackswap_ds import planfile
 
