@@ -157,6 +157,7 @@ class SlackSwapRuntime:
             state.executor.record = False  # one measured step is enough
             write_trace(timeline, self.cfg.trace_file, "measured", budget_bytes=state.plan.budget_bytes,
                         title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
+        self.plans.follow(state)  # the next steps run a re-planned plan if this one demoted tensors
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
     def _make_plan(self, state: ShapeState, local, key: ShapeKey) -> None:

@@ -30,7 +30,7 @@ from .coordination import Coordinator
 from .deepspeed_api import offloads_parameters, zero_offload_pinned_bytes
 from .errors import BudgetInfeasibleError, PlanError
 from .hardware import Hardware
-from .logs import log
+from .logs import EVERY_RANK, log
 from .machine import resolve_hardware
 from .plan import Plan, lower
 from .planfile import MadeFor
@@ -154,9 +154,30 @@ class PlanMaker:
             sim = simulate(schedule, shares.own.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
         state.profile, state.plan = profile, plan
         state.executor = apply(self.module, plan, profile, schedule=schedule, pool=self.pool, replan=self.replan)
-        ideal = keep_all_result(profile, self.hw).step_s
-        state.prediction = Prediction(ideal / sim.step_s if sim.step_s else 1.0, sim.step_s, sim.peak_bytes + held)
+        state.prediction = self._prediction(profile, sim, held)
         return sim
+
+    def follow(self, state: ShapeState) -> bool:
+        """After the executor re-planned (a failed verification demoted tensors): the state's plan,
+        profile and prediction become those of the plan it runs now, so that reports, traces and
+        `active_plan` describe what runs (logged). Whether it changed anything."""
+        executor = state.executor
+        if executor is None or executor.plan is None or executor.plan is state.plan:
+            return False
+        profile, plan = executor.profile, executor.plan
+        held = held_bytes(profile, plan.decision, self.holds)
+        sim = simulate(lower(profile, plan), self.coordinator.shares.own.limit(self.hw),
+                       budget_bytes=plan.budget_bytes - held, record=False)
+        state.profile, state.plan, state.prediction = profile, plan, self._prediction(profile, sim, held)
+        log.info("slackswap: now running plan %s (re-planned after the failed verification; %s), predicted %.1f%% "
+                 "of ideal, peak %s B of %s B", plan.digest[:12], plan_summary(plan, profile),
+                 100 * state.prediction.throughput, f"{state.prediction.peak_bytes:,}", f"{plan.budget_bytes:,}",
+                 extra=EVERY_RANK)
+        return True
+
+    def _prediction(self, profile: StepProfile, sim: SimResult, held: int) -> Prediction:
+        ideal = keep_all_result(profile, self.hw).step_s
+        return Prediction(ideal / sim.step_s if sim.step_s else 1.0, sim.step_s, sim.peak_bytes + held)
 
     def replan(self, profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:
         """After the verifying step demoted tensors: this rank plans again, locally, with its share

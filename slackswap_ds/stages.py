@@ -137,8 +137,9 @@ class StageRuntime:
                           "made for %d: the peak may exceed the budget (the gradients are unaffected)",
                           self.stage, batch.most_open, self.holds)
         self.last_stats = StepStats(peak_device_bytes=batch.peak, fallbacks=dict(batch.fallbacks))
-        self.active_plan = state.executor.plan
+        self.active_plan = state.plan
         self.reports.step(state.plan, state.prediction, batch.peak, batch.fallbacks)
+        self.plans.follow(state)  # the next batches run a re-planned plan if this one demoted tensors
 
     def _forward(self, forward_pass, buffer_id: int):
         batch = self.batch

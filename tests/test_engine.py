@@ -287,6 +287,61 @@ def test_new_input_shapes_are_profiled_and_planned_on_their_own():
     assert runtime.active_plan is short  # the last step (seq 16) ran under its own shape's plan
 
 
+def test_after_a_demotion_the_runtime_describes_the_plan_it_runs(caplog):
+    """A layer that draws from Python's `random` cannot be replayed: the verifying step demotes its
+    recomputes and the executor re-plans. From then on `active_plan`, the shape's plan and its
+    prediction are the new plan's (they kept describing the demoted one), and it is logged."""
+    import logging
+    import random
+
+    import torch
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+            self.rng = random.Random(0)
+
+        def forward(self, x):
+            return self.b(self.a(x).tanh() * (1 + self.rng.random())).tanh()
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(Noisy() for _ in range(8))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    engine = _EngineShim(Stack())
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1,
+                                                                  "planner": "full-recompute",
+                                                                  "activation_budget": 0.8}}))
+    runtime.attach()
+    plans, predictions = [], []
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        for _ in range(5):
+            state = next(iter(runtime.shapes.values()), None)
+            if state is not None:  # what the coming step is said to run, and its prediction
+                predictions.append((state.plan, state.prediction))
+            engine.backward(engine.forward(torch.randn(8, 32)))
+            if runtime.active_plan is not None:  # a planned step (not the profiled one)
+                plans.append(runtime.active_plan)
+    state = next(iter(runtime.shapes.values()))
+    assert state.executor.stats.demotions, "the noisy layer's recomputes were expected to fail verification"
+    (verifying, *after), (predicted_first, *predicted_after) = plans, predictions  # the planned steps'
+    assert verifying.planner == "full-recompute" and after
+    assert all(p is state.executor.plan is state.plan for p in after) and after[0].digest != verifying.digest
+    assert predicted_first[0] is verifying and all(plan is state.plan for plan, _ in predicted_after)
+    assert all(p == state.prediction != predicted_first[1] for _, p in predicted_after)
+    assert state.prediction.peak_bytes <= state.plan.budget_bytes
+    assert state.executor.stats.last_step.peak_device_bytes <= state.plan.budget_bytes
+    assert any(f"now running plan {state.plan.digest[:12]}" in r.getMessage() for r in caplog.records)
+
+
 def test_node_topology_comes_from_the_config_else_each_rank_has_its_own_link(monkeypatch):
     import torch
 
