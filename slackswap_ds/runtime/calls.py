@@ -83,7 +83,8 @@ class LayerCalls:
     def hold_arguments(self, step: Step, call: CallRecord) -> None:
         """A replay calls the layer again with its arguments: those the step saved are held through
         their entries (pinned until the replay; a swapped input must not stay on the device)."""
-        live = len(call.targets)  # (only RECOMPUTE entries are targets)
+        call.returned = True
+        live = len(call.targets)  # (only RECOMPUTE entries still held are targets: `target_released`)
         if not live:  # nothing to replay: nothing to hold
             call.args, call.versions, call.done = None, [], True
             return
@@ -101,10 +102,14 @@ class LayerCalls:
         call.live = live
 
     # ---- lifetimes ----------------------------------------------------------------------------
-    def target_released(self, call: CallRecord) -> None:
-        """A RECOMPUTE entry of `call` was released before its replay: once none is left, nobody
-        needs the replay any more, and its arguments are unpinned."""
-        if not call.done:
+    def target_released(self, call: CallRecord, entry: Entry) -> None:
+        """RECOMPUTE `entry` of `call` was released before its replay: no replay makes it any more;
+        once none is left, nobody needs the replay, and its arguments are unpinned. (One released
+        while the call still runs, its node dead in forward, leaves `hold_arguments` less to count.)"""
+        for at, target in list(call.targets.items()):
+            if target is entry:
+                del call.targets[at]
+        if call.returned and not call.done:
             call.live -= 1
             if call.live <= 0:
                 call.done = True

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..plan import Decision
 from .aten import no_dispatch
 from .calls import LayerCalls
-from .naming import activation_key, maker_of
+from .naming import activation_key, maker_of, region_of
 from .program import PlannedTensor
 from .records import Entry, Step, Writer
 from .residency import Residency
@@ -53,11 +53,21 @@ class Entries:
         self.keep_bytes = keep_bytes  # without a plan: saves kept on the device up to this
 
     # ---- save ---------------------------------------------------------------------------------
-    def new(self, step: Step, label: str, t: torch.Tensor, st: torch.UntypedStorage) -> Entry:
-        """The entry of storage `st`, first saved (as `t`) in region `label` of `step`."""
-        n = step.ordinals.get(label, 0)
-        step.ordinals[label] = n + 1
-        key = activation_key(label, n, maker_of(t))
+    def new(self, step: Step, label: str, t: torch.Tensor, st: torch.UntypedStorage,
+            before: Entry | None = None) -> Entry:
+        """The entry of storage `st`, saved (as `t`) in region `label` of `step`. `before`: the
+        released entry found at st's address in this step, if any. If it was this very storage
+        (its weak reference alive: autograd let go of an earlier save, a node that died in
+        forward, while the model still holds the storage), the new entry takes its key: a key
+        names a storage of the step (naming.py), whenever autograd released its earlier saves.
+        (Under the profiler's tracer, which keeps forward's nodes alive, the first entry lives on.)"""
+        if before is not None and before.ref is not None and not before.ref.expired():
+            key = before.key
+            label = region_of(key)
+        else:
+            n = step.ordinals.get(label, 0)
+            step.ordinals[label] = n + 1
+            key = activation_key(label, n, maker_of(t))
         nbytes = st.nbytes()
         planned = step.program.acts.get(key) if step.program is not None else None
         writer = step.writers.get(st._cdata)
@@ -77,6 +87,7 @@ class Entries:
             if decision is Decision.RECOMPUTE:
                 call.targets[writer.op, writer.output] = entry
                 entry.call = call
+                call.live += call.returned  # saved again after the call (see `before`)
         self._place(step, entry, t, st)
         return entry
 
@@ -98,6 +109,10 @@ class Entries:
             # than when profiled (data-dependent control flow; e.g. an attention mask of all ones that
             # a model drops), and the plan's replay would stop before the op that makes it now
             return _fallback(step, "recompute of a tensor its layer call made with other ops than profiled")
+        if planned.decision is Decision.RECOMPUTE and writer.call.done:
+            # saved again after autograd let go of its earlier saves, and after its layer call's
+            # replay was dropped (nothing of the call was left to regenerate)
+            return _fallback(step, "recompute of a tensor saved again after its layer call's replay was dropped")
         return planned.decision
 
     def _place(self, step: Step, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage) -> None:
@@ -123,6 +138,8 @@ class Entries:
         recomputes is replayed first (the Schedule's RECOMPUTE at the region's first backward op)."""
         entry.reached = True
         step = entry.step
+        if step.lingering and entry.first_read is not None:
+            self.let_go(step, entry.first_read)
         program = step.program
         if program is not None and not program.any_backward_work and step.backward:
             return  # nothing to prefetch or replay (keep-only plans)
@@ -148,11 +165,44 @@ class Entries:
         while released:
             entry = released.popleft()
             entry.holders -= 1
-            if entry.holders == 0:
+            if entry.holders == 0 and not self._linger(entry):
                 self._release(entry)
+
+    @staticmethod
+    def _linger(entry: Entry) -> bool:
+        """An entry of the plan that autograd let go of in forward (the node that saved it died:
+        `topk`'s, say, when only its indices are used) stays until backward reaches its first read,
+        as the profile has it (the profiler's tracer keeps every node alive) and as the Schedule
+        counts on: its bytes are in the plan, a replay takes it instead of re-running its op, and
+        the same storage saved again is the same entry."""
+        step = entry.step
+        if step.backward or step.closed or entry.first_read is None:
+            return False
+        entry.holders = 1
+        step.lingering.append(entry)
+        return True
+
+    def let_go(self, step: Step, position: int | None = None) -> None:
+        """Release the lingering entries of `step` whose first read backward has reached
+        (`position`: the op backward reaches now; None: all, the step closes)."""
+        keep = []
+        for entry in step.lingering:
+            if position is None or entry.first_read >= position:
+                entry.holders -= 1
+                if entry.holders == 0:
+                    self._release(entry)
+            else:
+                keep.append(entry)
+        step.lingering = keep
 
     def _release(self, entry: Entry) -> None:
         self.residency.drop_resident(entry)
+        if entry.ref is None and entry.storage is not None:
+            # a kept storage that outlives its entry (the model still holds it) may be saved again
+            # in this step: the weak reference keeps its address for it (see `new`)
+            ref = StorageWeakRef(entry.storage.untyped_storage())
+            entry.storage = None
+            entry.ref = None if ref.expired() else ref
         entry.storage = None
         with no_dispatch():
             self.swaps.release(entry)
@@ -160,7 +210,7 @@ class Entries:
         entry.in_handle = None
         call, entry.call = entry.call, None
         if call is not None:
-            self.calls.target_released(call)
+            self.calls.target_released(call, entry)
         step = entry.step
         step.live -= 1
         if step.live == 0 and step.closed:

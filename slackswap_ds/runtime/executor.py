@@ -373,10 +373,11 @@ class Executor:
                     return t
                 if _is_parameter(t):
                     return t
+                before = entry
                 with no_dispatch():
-                    entry = self._entries.new(step, self.regions.label, t, st)
+                    entry = self._entries.new(step, self.regions.label, t, st, before)
                 step.by_storage[cdata] = entry
-                if self.observer is not None:
+                if self.observer is not None and (before is None or before.key != entry.key):
                     self.observer.saved(entry.key, t)
             entry.holders += 1
             if entry.decision is Decision.KEEP:

@@ -12,7 +12,9 @@ shapes, and never built from `id()` or a global counter (DESIGN.md section 4).
 * **Op keys** (the tracer's): ``<region>:<i>:<aten op>``, the i-th compute op of that region.
 * **Activation keys**: ``<region>:<n>:<maker>``, the n-th distinct storage saved for backward in
   that region (in the order autograd first saves one of its tensors), and the autograd node that
-  made the saved tensor (``gelu``, ``addmm``; ``input`` for a tensor without one). Everything in
+  made the saved tensor (``gelu``, ``addmm``; ``input`` for a tensor without one). A storage saved
+  again in the step keeps its key, also after autograd let go of its earlier saves (a node that
+  died in forward, as `topk`'s when only its indices are used). Everything in
   it is known to a saved-tensor hook, so the executor names a tensor at pack time without
   watching every op: steps under a plan pay for naming only per saved tensor, not per op.
 """
@@ -46,6 +48,11 @@ def op_key(region: str, index: int, name: str) -> str:
 
 def activation_key(region: str, ordinal: int, maker: str) -> str:
     return f"{region}:{ordinal}:{maker}"
+
+
+def region_of(key: str) -> str:
+    """The region of an activation key (labels may hold ':', ordinals and makers never do)."""
+    return key.rsplit(":", 2)[0]
 
 
 _MAKERS: dict[type, str] = {}

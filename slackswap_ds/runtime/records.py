@@ -104,6 +104,7 @@ class Step:
         self.triggers: list[tuple[int, list[str]]] = []  # pending (op, keys), descending
         self.failures: dict[str, str] = {}  # verification: key -> reason
         self.live = 0  # entries not yet released
+        self.lingering: list[Entry] = []  # let go by autograd in forward, held to their first read (entries.py)
         self.closed = False
 
     def clear(self) -> None:
@@ -149,7 +150,8 @@ class CallRecord:
     available: dict[tuple[int, int], Entry] = field(default_factory=dict)  # (op, output) -> entry saved in this call
     targets: dict[tuple[int, int], Entry] = field(default_factory=dict)  # (op, output) -> RECOMPUTE entry
     pins: list[Entry] = field(default_factory=list)  # entries held for the replay (arguments)
-    live: int = 0  # RECOMPUTE entries of the call still held by autograd
+    live: int = 0  # RECOMPUTE entries of the call still held by autograd (counted when the call returns)
+    returned: bool = False  # the layer call has returned (calls.hold_arguments)
     done: bool = False
 
 

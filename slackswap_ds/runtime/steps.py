@@ -106,6 +106,7 @@ class Steps:
 
     def _close(self, step: Step) -> None:
         self.entries.drain()
+        self.entries.let_go(step)
         step.closed = True
         if step.live == 0:
             step.clear()

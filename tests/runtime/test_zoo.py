@@ -32,6 +32,7 @@ def test_the_zoo_covers_the_families_the_runtime_must_handle():
     assert {"alibi", "parallel-attn", "eager", "sdpa", "shared-layers", "moe", "cross-attention"} <= traits
     assert families.count("encoder-decoder") >= 2 and "t5" in zoo.ZOO
     assert families.count("moe") >= 2 and "mixtral" in zoo.ZOO
+    assert "dense-first" in traits and "deepseek-v3" in zoo.ZOO  # issue 19
     assert families.count("decoder") >= 3 and families.count("encoder") >= 3
 
 

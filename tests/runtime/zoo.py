@@ -8,8 +8,9 @@ the loss and every gradient bit for bit; dropout being on is what makes the RNG 
 
 The cases are meant to span the module structures such a manager has to cope with: pre/post norm,
 parallel attention + MLP blocks, ALiBi and rotary position encodings, eager and SDPA attention,
-one layer module called several times (ALBERT), encoder-decoder stacks with cross-attention, and
-mixture-of-experts blocks whose expert loop depends on the routing.
+one layer module called several times (ALBERT), encoder-decoder stacks with cross-attention,
+mixture-of-experts blocks whose expert loop depends on the routing, and mixtures of experts whose
+first layers are dense (Qwen2-MoE's mlp_only_layers, DeepSeek-V3's first_k_dense_replace).
 
 Deliberate exceptions to "every dropout on": LayerDrop (OPT, BART, Pegasus) stays 0 because it
 skips whole layers at random, so the set of ops changes from step to step and skipped layers get no
@@ -20,7 +21,9 @@ Things tests should know:
 - `build(dtype)` seeds torch itself, so every call returns the same weights and batch.
 - The batch never sets `use_cache`, so decoder-only models and T5 return a filled KV cache
   (`out.cache`) even in training; it holds every layer's keys and values.
-- Mixtral and OLMoE compute their aux loss from router logits collected by forward hooks that
+- DeepSeek-V3's router keeps only the indices of its `topk`s and masks its scores: the autograd
+  nodes that saved them die in forward (the profiler's tracer keeps them alive).
+- Mixtral, OLMoE and the dense-first Qwen2-MoE compute their aux loss from router logits collected by forward hooks that
   transformers installs lazily on the first forward (on each decoder layer, its self_attn and its
   router); they stay installed afterwards.
 """
@@ -50,7 +53,8 @@ Built = tuple[torch.nn.Module, Batch]
 class ZooCase:
     name: str  # e.g. "gpt2-eager"
     family: str  # "decoder", "encoder", "encoder-decoder" or "moe"
-    # any of "alibi", "parallel-attn", "eager", "sdpa", "shared-layers", "rotary", "moe", "cross-attention";
+    # any of "alibi", "parallel-attn", "eager", "sdpa", "shared-layers", "rotary", "moe", "cross-attention",
+    # "dense-first" (a mixture of experts whose first layers are dense);
     # exactly one of "eager"/"sdpa", the attention implementation the model was built with
     traits: tuple[str, ...]
     build: Callable[[torch.dtype], Built]  # (model in train() mode, batch kwargs: tensors only)
@@ -351,6 +355,36 @@ def build_olmoe(dtype: torch.dtype) -> Built:
     return _build(hf.OlmoeForCausalLM, config, dtype)
 
 
+def build_qwen2_moe_dense_first(dtype: torch.dtype) -> Built:
+    # The first layer's MLP is dense (mlp_only_layers), the later ones sparse: one block stack whose
+    # layers differ in structure; aux loss on.
+    config = hf.Qwen2MoeConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+        shared_expert_intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=POSITIONS, attention_dropout=P, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, mlp_only_layers=[0], output_router_logits=True, router_aux_loss_coef=0.01,
+        use_sliding_window=False, bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD,
+        attn_implementation="eager", experts_implementation="eager",
+    )
+    return _build(hf.Qwen2MoeForCausalLM, config, dtype)
+
+
+def build_deepseek_v3(dtype: torch.dtype) -> Built:
+    # DeepSeek-V3 style: the first layer dense (first_k_dense_replace), then routed experts with a
+    # shared expert; multi-head latent attention (low-rank q and kv); a sigmoid router that keeps
+    # only topk's indices and masks its scores by group, so autograd lets go of what those nodes
+    # saved while forward still runs (issue 19).
+    config = hf.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        first_k_dense_replace=1, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=POSITIONS, attention_dropout=P,
+        bos_token_id=PAD, eos_token_id=PAD, pad_token_id=PAD,
+        attn_implementation="eager", experts_implementation="eager",
+    )
+    return _build(hf.DeepseekV3ForCausalLM, config, dtype)
+
+
 _CASES = [
     ZooCase("gpt2-eager", "decoder", ("eager",), build_gpt2_eager),
     ZooCase("gpt2-sdpa", "decoder", ("sdpa",), build_gpt2_sdpa),
@@ -375,6 +409,8 @@ _CASES = [
     ZooCase("mixtral", "moe", ("sdpa", "rotary", "moe"), build_mixtral),
     ZooCase("qwen2-moe", "moe", ("eager", "rotary", "moe"), build_qwen2_moe),
     ZooCase("olmoe", "moe", ("sdpa", "rotary", "moe"), build_olmoe),
+    ZooCase("qwen2-moe-dense-first", "moe", ("eager", "rotary", "moe", "dense-first"), build_qwen2_moe_dense_first),
+    ZooCase("deepseek-v3", "moe", ("eager", "rotary", "moe", "dense-first"), build_deepseek_v3),
 ]
 
 ZOO: dict[str, ZooCase] = {case.name: case for case in _CASES}
