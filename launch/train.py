@@ -84,8 +84,11 @@ def main(argv=None) -> int:
                 act = (f"  activations {s.peak_device_bytes / 2**20:8.2f} MiB / budget "
                        f"{runtime.active_plan.budget_bytes / 2**20:.2f} MiB (kept {s.kept_bytes / 2**20:.2f}, "
                        f"swapped {s.swapped_bytes / 2**20:.2f}, recomputed {s.recomputed_bytes / 2**20:.2f})")
+            elif runtime is not None and runtime.last_stats is not None and step <= runtime.cfg.profile_steps:
+                act = (f"  activations {runtime.last_stats.peak_device_bytes / 2**20:8.2f} MiB on the device "
+                       f"(warm-up in the shelter: saved tensors on host)")
             elif runtime is not None:
-                act = "  (safe mode: profiling)" if step <= runtime.cfg.profile_steps + 1 else ""
+                act = "  (profiling: saved tensors on host)" if step == runtime.cfg.profile_steps + 1 else ""
             print(f"step {step:3d}  loss {losses[-1]:.6f}  {dt * 1e3:8.1f} ms{act}", flush=True)
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:

@@ -113,15 +113,16 @@ class SlackSwapConfig(BaseModel):
     profile_steps: int = Field(
         2,
         ge=1,
-        description="Training steps run as plain DeepSpeed (safe mode, no plan yet) before the step that is "
-        "profiled, so that lazy initialisation and allocator warm-up stay out of the profile.",
+        description="Warm-up steps before the step that is profiled, so that lazy initialisation and allocator "
+        "warm-up stay out of the profile. They run in the shelter (every saved tensor to host), so that they "
+        "stay within the budget too.",
         json_schema_extra=_doc("integer >= 1", 2),
     )
     replan: Literal["on_shape_change", "never"] = Field(
         "on_shape_change",
         description='`"on_shape_change"`: profile and plan again when the input shapes change (e.g. a new '
-        'sequence length); `"never"`: plan only the first shapes, and run batches of other shapes as plain '
-        'DeepSpeed.',
+        'sequence length); `"never"`: plan only the first shapes, and run steps of other shapes in the shelter '
+        '(every saved tensor to host: within the budget, slower).',
         json_schema_extra=_doc('"on_shape_change" or "never"', "on_shape_change"),
     )
     max_shapes: int = Field(

@@ -2,12 +2,15 @@
 
 Lifecycle, driven by the engine's own forward and backward (the user's loop does not change):
 
-    steps < profile_steps      plain DeepSpeed (safe mode: warm-up, allocator settling)
-    step == profile_steps      the step runs under a ProfileSession (every saved tensor to host, so
-                               it fits the budget) -> measured StepProfile -> plan (rank 0)
+    steps <= profile_steps     warm-up (lazy initialisation, allocator settling) in the shelter: every
+                               saved tensor to host, so that no step holds more than the budget
+                               before the keep-all peak it is a fraction of is measured
+    the step after             runs under a ProfileSession (every saved tensor to host, so it fits
+                               the budget) -> measured StepProfile -> plan (rank 0)
                                -> agreed across ranks -> Executor for these shapes
     later steps                run under the executor of their input shapes; new shapes are
-                               profiled and planned on their step (replan = "on_shape_change")
+                               profiled and planned on their step (replan = "on_shape_change"),
+                               or run in the shelter (replan = "never")
     eval-mode forwards         left alone (not counted as steps, never profiled or planned)
 
 How a shape is planned and agreed: coordination.py and plans.py. A PipelineEngine gets per-stage
@@ -16,6 +19,8 @@ plans instead (stages.py).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .agreement import AgreementError  # noqa: F401  (re-exported: callers catch it from here)
@@ -23,7 +28,7 @@ from .config import SECTION, SlackSwapConfig, load_config
 from .coordination import Coordinator
 from .deepspeed_api import (MARK, config_given, hook_forward_backward, initialize_without_section,
                             is_pipeline_engine, remember_original)
-from .logs import EVERY_RANK, log, setup_logging
+from .logs import EVERY_RANK, SayOnce, log, setup_logging
 from .plan import Plan
 from .plans import Agreed, PlanMaker, plan_summary
 from .reporting import StepReports, write_trace
@@ -69,9 +74,11 @@ class SlackSwapRuntime:
         self.steps = 0
         self.shapes = ShapeCache(cfg.max_shapes, cfg.replan)
         self.active: Executor | ProfileSession | None = None  # what the current step runs under
-        self.active_key: ShapeKey | None = None
-        self.last_stats: StepStats | None = None  # of the last step run under a plan
-        self.active_plan: Plan | None = None  # the plan of that step
+        self.active_key: ShapeKey | None = None  # its shape (None in the shelter)
+        self.shelter: Executor | None = None  # warm-up steps, and new shapes when re-planning is off
+        self.say_once = SayOnce()
+        self.last_stats: StepStats | None = None  # of the last step (planned, profiled or in the shelter)
+        self.active_plan: Plan | None = None  # the plan of that step (None: profiled or in the shelter)
         self.plans: PlanMaker | None = None  # set by attach
         self.reports: StepReports | None = None
 
@@ -101,13 +108,14 @@ class SlackSwapRuntime:
         if self.active is not None or not torch.is_grad_enabled() or not self.module.training:
             return kwargs  # evaluation, or a second forward in the same step: not ours to manage
         self.steps += 1
-        if self.steps <= self.cfg.profile_steps:
-            return kwargs
         key = shape_key(args, kwargs)
-        run = self.shapes.runner_for(key, self.plans.pool)
-        if run is Run.PLAIN:
-            return kwargs
-        if run is Run.PROFILE:
+        run = Run.SHELTER if self.steps <= self.cfg.profile_steps else self.shapes.runner_for(key, self.plans.pool)
+        if run is Run.SHELTER:
+            self._say_shelter(key)
+            if self.shelter is None:
+                self.shelter = Executor.shelter(self.module)
+            self.active, key = self.shelter, None
+        elif run is Run.PROFILE:
             log.info("slackswap: profiling a step of input shapes %s (saved tensors go to host for this step)",
                      shapes_of(key))
             self.active = ProfileSession(self.module)
@@ -117,6 +125,16 @@ class SlackSwapRuntime:
         # (checkpoint calls inside the model run inline under both: see runtime/takeover.py)
         self.active.__enter__()
         return kwargs
+
+    def _say_shelter(self, key: ShapeKey) -> None:
+        if self.steps == 1:
+            log.info("slackswap: the first %d step(s) warm up in the shelter: every saved tensor goes to host, so "
+                     "device activation memory stays within any budget until the step after them is profiled",
+                     self.cfg.profile_steps)
+        elif self.steps > self.cfg.profile_steps:
+            self.say_once("shelter", logging.WARNING, "slackswap: input shapes %s are new and replan is \"never\": "
+                          "steps of new shapes run in the shelter (every saved tensor to host: within the budget, "
+                          "slower)", shapes_of(key))
 
     def _bucketed(self, args: tuple, kwargs: dict) -> dict:
         """A training forward's keyword inputs padded to `pad_to_multiple` (bucketing.py)."""
@@ -141,8 +159,12 @@ class SlackSwapRuntime:
             return
         self.active = self.active_key = None
         context.__exit__(None, None, None)
+        if key is None:  # the shelter: no plan, its saved tensors were on host
+            self.last_stats, self.active_plan = context.stats.last_step, None
+            return
         state = self.shapes[key]
         if isinstance(context, ProfileSession):
+            self.last_stats, self.active_plan = context.executor.stats.last_step, None
             try:
                 self._make_plan(state, context.profile(type(self.module).__name__), key)
             except Exception as e:

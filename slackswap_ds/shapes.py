@@ -66,7 +66,7 @@ class Run(enum.Enum):
 
     PLANNED = "planned"  # under its shape's executor
     PROFILE = "profile"  # profiled (a shape without a plan yet)
-    PLAIN = "plain"  # as plain DeepSpeed (a new shape when re-planning is off)
+    SHELTER = "shelter"  # every saved tensor to host, within any budget (a new shape when re-planning is off)
 
 
 class ShapeCache:
@@ -103,7 +103,7 @@ class ShapeCache:
             self.states.move_to_end(key)
             return Run.PLANNED
         if state is None and self.states and self.replan == "never":
-            return Run.PLAIN  # shapes changed, no re-planning: plain steps for these shapes
+            return Run.SHELTER  # shapes changed, no re-planning: these shapes' steps in the shelter
         if state is None and add:
             self._make_room(pool)
             self.states[key] = ShapeState()

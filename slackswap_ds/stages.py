@@ -9,7 +9,8 @@ stage i holds the saved tensors of k = min(stages - i, micro-batches) micro-batc
                 executor, every micro-batch a step of its own from its forward to the end of its
                 backward (Executor.start/resume/finish, keyed by the micro-batch's pipe buffer);
                 deepspeed_api.hook_pipeline is where that touches DeepSpeed's private API.
-    batches     a step here is one train_batch; the first `profile_steps` run plain.
+    batches     a step here is one train_batch; the first `profile_steps` warm up in the shelter (every
+                saved tensor to host: within any budget).
     profiling   in the next, the first micro-batch is traced (ProfileSession); every other one runs
                 under a shelter executor that sends its saved tensors to host, so the batch fits any
                 budget. The most micro-batches open at once is counted: that is k.
@@ -52,6 +53,7 @@ Runner = Executor | ProfileSession  # what a micro-batch runs inside
 class _Batch:
     """One train_batch run under SlackSwap."""
 
+    warm_up: bool = False  # a batch of the first profile_steps: every micro-batch in the shelter
     profiling: tuple[int, ProfileSession, ShapeKey] | None = None  # (buffer id, session, key) of the traced micro-batch
     planned: ShapeKey | None = None  # the shape key of the micro-batches run under a plan
     open: dict[int, Runner] = field(default_factory=dict)  # buffer id -> the context its micro-batch runs in
@@ -109,9 +111,7 @@ class StageRuntime:
         if not is_train_schedule(schedule):
             return run_schedule()  # evaluation: not ours to manage
         self.steps += 1
-        if self.steps <= self.cfg.profile_steps:
-            return run_schedule()
-        self.batch = batch = _Batch()
+        self.batch = batch = _Batch(warm_up=self.steps <= self.cfg.profile_steps)
         with checkpointing_set_aside(self.module) as interval:
             if interval:  # SlackSwap replaces checkpointing: the plan sees and manages every activation
                 self.say_once("checkpoint", logging.INFO, "slackswap: the pipeline's activation_checkpoint_interval="
@@ -171,24 +171,27 @@ class StageRuntime:
             batch.peak = max(batch.peak, stats.peak_device_bytes)
             batch.fallbacks.update(stats.fallbacks)
 
-    def _runner(self, batch: _Batch, key: ShapeKey, buffer_id: int) -> Runner | None:
+    def _runner(self, batch: _Batch, key: ShapeKey, buffer_id: int) -> Runner:
         """The context a micro-batch runs in: its shape's executor; the profiler, for the first
-        micro-batch of a shape without a plan; the shelter for the others of that batch; None
-        (plain) for a new shape when re-planning is off."""
+        micro-batch of a shape without a plan; the shelter for the others of that batch, for every
+        micro-batch of a warm-up batch, and for a new shape when re-planning is off."""
         # one micro-batch is traced per batch: the others of a shape without a plan wait in the shelter
-        run = self.shapes.runner_for(key, self.plans.pool, add=batch.profiling is None)
-        if run is Run.PLAIN:
-            return None
+        run = Run.SHELTER if batch.warm_up else self.shapes.runner_for(key, self.plans.pool,
+                                                                       add=batch.profiling is None)
         if run is Run.PLANNED:
             batch.planned = key
             return self.shapes[key].executor
-        if batch.profiling is None:
+        if run is Run.PROFILE and batch.profiling is None:
             session = ProfileSession(self.module)
             batch.profiling = (buffer_id, session, key)
             if self.coordinator.job_channel().rank == self.members[0]:  # one line per stage
                 log.info("slackswap: stage %d profiling a micro-batch of input shapes %s (saved tensors go to host "
                          "for this batch)", self.stage, shapes_of(key), extra=EVERY_RANK)
             return session
+        if run is Run.SHELTER and not batch.warm_up:
+            self.say_once("shelter", logging.WARNING, "slackswap: stage %d: input shapes %s are new and replan is "
+                          "\"never\": micro-batches of new shapes run in the shelter (every saved tensor to host)",
+                          self.stage, shapes_of(key))
         if self.shelter is None:
             self.shelter = Executor.shelter(self.module)  # no plan: every saved tensor to host
         return self.shelter

@@ -76,8 +76,11 @@ def test_losses_equal_the_disabled_run_and_activations_stay_in_budget(zero_stage
     assert log_on.count("profiling a step of input shapes") == 1
     measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
     profile_steps = base_config(stage)["slackswap"]["profile_steps"]
-    assert len(measured) == steps - profile_steps - 1  # the step after the safe ones is profiled
+    assert len(measured) == steps - profile_steps - 1  # the step after the warm-up ones is profiled
     assert all(a <= b for a, b in measured)
+    # the warm-up steps, in the shelter, are within the budget too (it is known once profiled)
+    warm_up = [float(a) for a in re.findall(r"activations\s+([\d.]+) MiB on the device \(warm-up", log_on)]
+    assert len(warm_up) == profile_steps and all(a <= measured[0][1] for a in warm_up)
     assert "slackswap rank" not in log_off
 
 
@@ -285,6 +288,37 @@ def test_new_input_shapes_are_profiled_and_planned_on_their_own():
     short, long = sorted(plans.values(), key=lambda p: p.budget_bytes)
     assert short.digest != long.digest and long.budget_bytes > short.budget_bytes
     assert runtime.active_plan is short  # the last step (seq 16) ran under its own shape's plan
+
+
+def test_every_step_from_the_first_is_within_the_budget(caplog):
+    """The warm-up steps and the profiled one send their saved tensors to host, planned steps keep
+    their plan's budget, and with replan "never" a new shape's steps run in the shelter (warned once):
+    no step holds more device-resident saved bytes than the budget, from step 1 on."""
+    import logging
+
+    import torch
+
+    model = _gpt2()
+    engine = _EngineShim(model)
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 2,
+                                                                  "replan": "never"}}))
+    runtime.attach()
+    peaks, plans = [], []
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        for seq in (16, 16, 16, 16, 16, 32, 32, 16):
+            ids = torch.randint(1, 128, (2, seq))
+            engine.backward(engine.forward(input_ids=ids, labels=ids).loss)
+            peaks.append(runtime.last_stats.peak_device_bytes)
+            plans.append(runtime.active_plan)
+    (state,) = runtime.shapes.values()
+    budget = state.plan.budget_bytes
+    assert [p is not None for p in plans] == [False, False, False, True, True, False, False, True]
+    assert all(peak <= budget for peak in peaks), (peaks, budget)
+    # in the shelter and profiled, only what one backward op reads back at a time is on the device
+    assert max(peaks[:3] + peaks[5:7]) < min(peaks[3:5]), peaks
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("warm up in the shelter" in m for m in messages) == 1
+    assert sum("steps of new shapes run in the shelter" in m for m in messages) == 1
 
 
 def test_after_a_demotion_the_runtime_describes_the_plan_it_runs(caplog):
