@@ -376,6 +376,58 @@ def test_after_a_demotion_the_runtime_describes_the_plan_it_runs(caplog):
     assert any(f"now running plan {state.plan.digest[:12]}" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("verify_every", [0, 3])
+def test_verify_every_checks_the_replay_contract_again(verify_every):
+    """A layer reads a global that, from step 5 on, changes between its forward and its backward.
+    With verify_every 3 the step after step 6 checks the plan again and demotes it; with 0 only the
+    first planned step checks (and the contract holds then)."""
+    import torch
+
+    scale = {"now": 1.0}
+
+    class ReadsAGlobal(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.b(self.a(x).tanh() * scale["now"]).tanh()
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(ReadsAGlobal() for _ in range(8))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    engine = _EngineShim(Stack())
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {
+        "hardware": "a100-80g-pcie4", "profile_steps": 1, "planner": "full-recompute", "activation_budget": 0.8,
+        "verify_every": verify_every}}))
+    runtime.attach()
+    verdicts = []
+    for step in range(1, 10):
+        loss = engine.forward(torch.randn(8, 32))
+        scale["now"] = 2.0 if step >= 5 else 1.0
+        engine.backward(loss)
+        scale["now"] = 1.0
+        verdicts.append(runtime.last_stats.verified)
+    # step 1 warms up, step 2 is profiled, step 3 verifies the plan (the contract holds then)
+    (state,) = runtime.shapes.values()
+    if verify_every:
+        # checked again after steps 3 and 6: step 7 demotes the layers reading the global, and the
+        # re-planned plan's first step (8) verifies what it still recomputes
+        assert verdicts == [None, None, True, True, None, None, False, True, None]
+        assert len(state.executor.stats.demotions) == 1 and runtime.active_plan is state.plan
+        assert all(key.endswith(":mul") for key in state.executor.stats.demotions[0])
+    else:
+        assert verdicts == [None, None, True] + [None] * 6 and state.executor.stats.demotions == []
+
+
 def test_node_topology_comes_from_the_config_else_each_rank_has_its_own_link(monkeypatch):
     import torch
 

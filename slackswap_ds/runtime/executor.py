@@ -192,6 +192,11 @@ class Executor:
     def pool(self) -> HostPool:
         return self._swaps.pool
 
+    def verify_again(self) -> bool:
+        """Check the plan's recomputes again on the next step (steps.py); whether it will."""
+        with self._lock:
+            return self._steps.verify_again()
+
     @property
     def replan(self) -> Replan:
         """How this executor plans again after a verifying step demoted tensors (verify.py)."""

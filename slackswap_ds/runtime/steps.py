@@ -13,6 +13,10 @@ micro-batch's forward from a second forward of gradient accumulation): start(tag
 forward, resume(tag) before its backward, finish(tag) after it. Device bytes are counted over
 every open step (residency.py), so a step's peak is the stage's.
 
+Verification again. `verify_again()` makes the next step a verifying one under the same plan: the
+engine asks for it every `verify_every` planned steps, because the replay contract can break after
+the first step (a layer that reads state which changes between its forward and its backward).
+
 Closing a step releases what its backward let go, puts its counters in `stats.last_step` (and its
 timeline, if recorded, in `stats.last_timeline`), demotes what failed verification, and warns once
 per kind of fallback. The caller holds the executor's lock around every method here.
@@ -57,6 +61,13 @@ class Steps:
         self.program = program
         self.stats.plan = program.plan
         self._verify_next = self.verify and bool(program.rerun)
+
+    def verify_again(self) -> bool:
+        """The next step checks the plan's recomputes again (the replay contract, verify.py, holds
+        at every step, not only the first: a layer that starts reading changed state is caught
+        here); whether it will (False: nothing is recomputed, or verification is off)."""
+        self._verify_next = self.verify and self.program is not None and bool(self.program.rerun)
+        return self._verify_next
 
     def forward(self) -> Step:
         """The step a forward runs in: the current one, or a new one after a backward."""
