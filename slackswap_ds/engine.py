@@ -76,6 +76,7 @@ class SlackSwapRuntime:
         self.active: Executor | ProfileSession | None = None  # what the current step runs under
         self.active_key: ShapeKey | None = None  # its shape (None in the shelter)
         self.shelter: Executor | None = None  # warm-up steps, and new shapes when re-planning is off
+        self.shelter_peak = 0  # device bytes of saved tensors, the most of any step in the shelter
         self.say_once = SayOnce()
         self.last_stats: StepStats | None = None  # of the last step (planned, profiled or in the shelter)
         self.active_plan: Plan | None = None  # the plan of that step (None: profiled or in the shelter)
@@ -161,6 +162,10 @@ class SlackSwapRuntime:
         context.__exit__(None, None, None)
         if key is None:  # the shelter: no plan, its saved tensors were on host
             self.last_stats, self.active_plan = context.stats.last_step, None
+            self.shelter_peak = max(self.shelter_peak, self.last_stats.peak_device_bytes)
+            if self.steps == self.cfg.profile_steps:
+                log.info("slackswap: %d warm-up step(s) done in the shelter: peak of saved activations on the "
+                         "device %s B", self.steps, f"{self.shelter_peak:,}")
             return
         state = self.shapes[key]
         if isinstance(context, ProfileSession):

@@ -16,7 +16,7 @@ SCRIPTS = ROOT / "tests" / "adoption"
 pytest.importorskip("deepspeed")
 pytest.importorskip("transformers")
 
-SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g-pcie4"}
+SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g-pcie4", "log_every": 1}
 
 
 def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool) -> tuple[list[float], str]:
@@ -77,6 +77,14 @@ def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_ru
     assert len(losses_on) == 6 and losses_on == losses_off
     assert plans_logged(out_on) == ["0"] and "agreed over torch.distributed by 2 ranks" in out_on
     assert plans_logged(out_off) == []
+    # every step within the budget from the first: the warm-up step in the shelter, the profiled one
+    # (on host too), then each planned step's report (log_every 1: steps 3 to 6)
+    budget = int(re.search(r"slackswap rank 0: budget ([\d,]+) B", out_on).group(1).replace(",", ""))
+    warm_up = int(re.search(r"warm-up step\(s\) done in the shelter: peak of saved activations on the device "
+                            r"([\d,]+) B", out_on).group(1).replace(",", ""))
+    reports = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
+               re.findall(r"peak of saved activations ([\d,]+) B \(predicted [\d,]+ B, budget ([\d,]+) B\)", out_on)]
+    assert warm_up <= budget and len(reports) == 4 and all(peak <= b == budget for peak, b in reports), reports
 
 
 # ---- ss.install() itself, in process -------------------------------------------------------------
