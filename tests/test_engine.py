@@ -321,6 +321,30 @@ def test_every_step_from_the_first_is_within_the_budget(caplog):
     assert sum("steps of new shapes run in the shelter" in m for m in messages) == 1
 
 
+def _full_recompute_job(layer: type, **config):
+    """An in-process runtime over 8 `layer`s (each maps 32 features to 32) planned by full recompute
+    at 80% of its keep-all peak (the budget this small model needs for it); its engine and runtime."""
+    import torch
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(layer() for _ in range(8))
+
+        def forward(self, x):
+            for block in self.layers:
+                x = block(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    engine = _EngineShim(Stack())
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {
+        "hardware": "a100-80g-pcie4", "profile_steps": 1, "planner": "full-recompute", "activation_budget": 0.8,
+        **config}}))
+    runtime.attach()
+    return engine, runtime
+
+
 def test_after_a_demotion_the_runtime_describes_the_plan_it_runs(caplog):
     """A layer that draws from Python's `random` cannot be replayed: the verifying step demotes its
     recomputes and the executor re-plans. From then on `active_plan`, the shape's plan and its
@@ -339,22 +363,7 @@ def test_after_a_demotion_the_runtime_describes_the_plan_it_runs(caplog):
         def forward(self, x):
             return self.b(self.a(x).tanh() * (1 + self.rng.random())).tanh()
 
-    class Stack(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(Noisy() for _ in range(8))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x.square().mean()
-
-    torch.manual_seed(0)
-    engine = _EngineShim(Stack())
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1,
-                                                                  "planner": "full-recompute",
-                                                                  "activation_budget": 0.8}}))
-    runtime.attach()
+    engine, runtime = _full_recompute_job(Noisy)
     plans, predictions = [], []
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
         for _ in range(5):
@@ -393,22 +402,7 @@ def test_verify_every_checks_the_replay_contract_again(verify_every):
         def forward(self, x):
             return self.b(self.a(x).tanh() * scale["now"]).tanh()
 
-    class Stack(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList(ReadsAGlobal() for _ in range(8))
-
-        def forward(self, x):
-            for layer in self.layers:
-                x = layer(x)
-            return x.square().mean()
-
-    torch.manual_seed(0)
-    engine = _EngineShim(Stack())
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {
-        "hardware": "a100-80g-pcie4", "profile_steps": 1, "planner": "full-recompute", "activation_budget": 0.8,
-        "verify_every": verify_every}}))
-    runtime.attach()
+    engine, runtime = _full_recompute_job(ReadsAGlobal, verify_every=verify_every)
     verdicts = []
     for step in range(1, 10):
         loss = engine.forward(torch.randn(8, 32))
