@@ -73,7 +73,8 @@ class StageRuntime:
         self.active_plan: Plan | None = None  # the plan of that batch
         self.stage_plans: dict[int, str] = {}  # stage -> plan digest, every stage's (from the exchange)
         self.batch: _Batch | None = None
-        self.shelter: Executor | None = None  # the executor of micro-batches not traced in a profiling batch
+        self.shelter: Executor | None = None  # warm-up batches, untraced micro-batches of a profiling batch
+        self.shelter_peak = 0  # device bytes of saved tensors, the most of any micro-batch in the shelter
         self.group: Channel | None = None  # the agreement channel of this stage's ranks
         self.say_once = SayOnce()
         self.plans: PlanMaker | None = None  # set by attach
@@ -129,6 +130,9 @@ class StageRuntime:
                 raise
         elif batch.planned is not None:
             self._batch_done(batch)
+        elif batch.warm_up and self.steps == self.cfg.profile_steps:
+            log.info("slackswap: stage %d: %d warm-up batch(es) done in the shelter: peak of saved activations on "
+                     "the device %s B", self.stage, self.steps, f"{self.shelter_peak:,}", extra=EVERY_RANK)
 
     def _batch_done(self, batch: _Batch) -> None:
         state = self.shapes[batch.planned]
@@ -168,7 +172,9 @@ class StageRuntime:
             executor.resume(buffer_id)
             backward_pass()
             executor.finish(buffer_id)
-        if runner is not self.shelter and executor.plan is not None:
+        if runner is self.shelter:
+            self.shelter_peak = max(self.shelter_peak, executor.stats.last_step.peak_device_bytes)
+        elif executor.plan is not None:
             stats = executor.stats.last_step
             batch.peak = max(batch.peak, stats.peak_device_bytes)
             batch.fallbacks.update(stats.fallbacks)

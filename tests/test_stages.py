@@ -61,6 +61,8 @@ def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(pip
         assert r["budget"] == r["keep_all"] // 2  # 50% of the stage's keep-all peak (holds x one micro-batch)
         assert 0 < r["peak"] <= r["budget"], r
         assert r["peak"] <= r["predicted_peak"]  # CPU copies are synchronous: never above the plan's peak
+        # the warm-up batches (and the profiling batch's untraced micro-batches) in the shelter: within it too
+        assert 0 < r["shelter_peak"] <= r["budget"], r
 
 
 @sharing("pipeline_jobs")

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
         state = next(iter(runtime.shapes.values()))
         out.update(digest=state.plan.digest, budget=state.plan.budget_bytes, peak=peak, holds=runtime.holds,
                    keep_all=runtime.holds * state.profile.total_bytes, stage_plans=runtime.stage_plans,
-                   predicted_peak=state.prediction.peak_bytes, layers=int(dict(state.profile.meta)["layers"]))
+                   predicted_peak=state.prediction.peak_bytes, layers=int(dict(state.profile.meta)["layers"]),
+                   shelter_peak=runtime.shelter_peak)
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     say(f"FAULT-TEST done {rank}")
     torch.distributed.barrier()
