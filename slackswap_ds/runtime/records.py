@@ -103,6 +103,7 @@ class Step:
         self.position = 0  # smallest first-read op backward has reached
         self.triggers: list[tuple[int, list[str]]] = []  # pending (op, keys), descending
         self.failures: dict[str, str] = {}  # verification: key -> reason
+        self.checked = 0  # verification: recomputed tensors compared with forward's
         self.live = 0  # entries not yet released
         self.lingering: list[Entry] = []  # let go by autograd in forward, held to their first read (entries.py)
         self.closed = False

@@ -136,6 +136,8 @@ class Steps:
             if demoted is not None:
                 self.set_program(demoted)
                 self.stats.demotions.append(dict(step.failures))
+            elif stats.verified is None and step.program is self.program:
+                self.verify_again()  # nothing was compared: no verdict yet, the next step checks
         for why, n in stats.fallbacks.items():
             if why not in self._warned:
                 self._warned.add(why)

@@ -81,6 +81,7 @@ class Verifier:
         if fresh is None:
             step.stats.fallback("not verified: host pool full")
             return
+        step.checked += 1
         try:
             self.device.copy_out(bytes_of(st), fresh.view(torch.uint8, (entry.nbytes,))).wait()
             same = torch.equal(fresh.view(torch.uint8, (entry.nbytes,)),
@@ -109,7 +110,9 @@ class Verifier:
         """A verifying step has closed: its verdict in its stats; the Program to run from now on if
         some recompute failed (None if all were exact)."""
         stats = step.stats
-        stats.verified = not step.failures
+        # a step in which no recomputed tensor was compared (each fell back to kept, or none was
+        # regenerated) gives no verdict (None): the plan is not verified, the next step checks it
+        stats.verified = not step.failures if step.failures or step.checked else None
         stats.demoted = dict(step.failures)
         if self._pool is not None:
             self._pool.trim()  # the originals' host memory is not needed again

@@ -318,3 +318,34 @@ def test_a_layer_that_breaks_the_replay_contract_later_is_caught_when_verified_a
     assert any("did not replay exactly" in r.getMessage() for r in caplog.records)
     assert not set(ex.stats.last_step.demoted) & set(ex.plan.keys(Decision.RECOMPUTE))
     assert_exact(run(model, contract_broken_step, x, ex), reference)  # demoted: exact from now on
+
+
+class SwitchesActivation(Pair):
+    """Takes another code path (sigmoid for tanh) while SWITCHED is on: none of its saved tensors
+    then has a name the plan knows, so they are all kept and nothing is recomputed."""
+
+    def forward(self, x):
+        act = torch.sigmoid if SWITCHED["on"] else torch.tanh
+        return act(self.b(act(self.a(x))))
+
+
+SWITCHED = {"on": False}
+
+
+def test_a_verifying_step_that_compared_nothing_is_no_verdict_and_the_next_step_verifies():
+    model = Stack(SwitchesActivation)
+    x = torch.randn(4, 16)
+    prof = profile(model, loss_step, x)
+    ex = ss.apply(model, recompute_all(prof), prof)
+    SWITCHED["on"] = True
+    try:
+        assert_exact(run(model, loss_step, x, ex), run(model, loss_step, x))
+    finally:
+        SWITCHED["on"] = False
+    first = ex.stats.last_step
+    assert first.fallbacks and first.ops_recomputed == 0  # every save kept: no replay to compare
+    assert first.verified is None  # it used to pass, vacuously
+    assert_exact(run(model, loss_step, x, ex), run(model, loss_step, x))
+    assert ex.stats.last_step.verified is True and ex.stats.last_step.ops_recomputed > 0
+    assert_exact(run(model, loss_step, x, ex), run(model, loss_step, x))
+    assert ex.stats.last_step.verified is None  # verified once: the plan's steps run plainly again
