@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from .budget import Budget, parse_budget_value, parse_optional_size
 from .errors import SlackSwapError
-from .files import refuse_unless_regular
+from .files import JSON_ERRORS, json_problem, refuse_unless_regular
 from .hardware import load_hardware, load_node, preset_names
 
 SECTION = "slackswap"
@@ -428,9 +428,8 @@ def load_config(ds_config: dict | str | os.PathLike) -> SlackSwapConfig:
                 f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}). Fix: correct the "
                 "JSON (no comments, no trailing commas, double-quoted keys)", source
             ) from None
-        except (ValueError, RecursionError) as e:  # a 100k-digit number; nested 100k deep
-            raise ConfigError(f"{path}: not a JSON config DeepSpeed can read "
-                              f"({e if isinstance(e, ValueError) else 'nested too deeply'})", source) from None
+        except JSON_ERRORS as e:
+            raise ConfigError(f"{path}: not a JSON config DeepSpeed can read ({json_problem(e)})", source) from None
     if not isinstance(ds_config, dict):
         raise ConfigError(
             f"the DeepSpeed config: found {_found(ds_config)}; expected a JSON object (a dict). Fix: pass a dict "

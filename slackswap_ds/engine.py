@@ -184,9 +184,7 @@ class SlackSwapRuntime:
             state.executor.record = False  # one measured step is enough
             write_trace(timeline, self.cfg.trace_file, "measured", budget_bytes=state.plan.budget_bytes,
                         title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
-        self.plans.follow(state)  # the next steps run a re-planned plan if this one demoted tensors
-        if self.cfg.verify_every and self.steps % self.cfg.verify_every == 0:
-            state.executor.verify_again()  # the replay contract, checked again (config verify_every)
+        self.plans.after_step(state, self.steps)  # a re-plan followed; verify_every
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
     def _make_plan(self, state: ShapeState, local, key: ShapeKey) -> None:

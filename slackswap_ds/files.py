@@ -17,16 +17,24 @@ from pathlib import Path
 from .errors import InvalidFileError
 
 
+# what json.loads of a file's text raises besides JSONDecodeError: ValueError for text that is not
+# UTF-8 or a 100k-digit number, RecursionError for arrays nested 100k deep
+JSON_ERRORS = (ValueError, RecursionError)
+
+
+def json_problem(e: BaseException) -> str:
+    """Why a JSON text could not be read, in words (for an error that names the file)."""
+    if isinstance(e, json.JSONDecodeError):
+        return f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
+    return "nested too deeply" if isinstance(e, RecursionError) else str(e)
+
+
 def read_json(path: str | Path, what: str, fix: str = "") -> object:
     """The JSON in `path`; InvalidFileError "cannot read {what} {path}: {why}{fix}" if it cannot be read."""
     try:
         return json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError) as e:  # ValueError: not JSON, not UTF-8, a 100k-digit number
-        if isinstance(e, json.JSONDecodeError):
-            reason = f"not valid JSON ({e.msg} at line {e.lineno} column {e.colno})"
-        else:
-            reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-        raise InvalidFileError(f"cannot read {what} {str(path)!r}: {reason}{fix}") from None
+    except (OSError, *JSON_ERRORS) as e:
+        raise InvalidFileError(f"cannot read {what} {str(path)!r}: {json_problem(e)}{fix}") from None
 
 
 def refuse_unless_regular(path: str | Path) -> None:
@@ -59,4 +67,4 @@ def write_atomically(path: str | Path, text: str) -> None:
         raise
 
 
-__all__ = ["read_json", "refuse_unless_regular", "write_atomically"]
+__all__ = ["JSON_ERRORS", "json_problem", "read_json", "refuse_unless_regular", "write_atomically"]

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import InvalidFileError, ProfileError
+from .files import JSON_ERRORS, json_problem
 from .workloads import ModelSpec
 
 SUPPORTED_FAMILIES = ("gpt2", "bert", "llama", "mistral", "qwen2", "mixtral")
@@ -163,8 +164,8 @@ def _load(config: str | os.PathLike | dict) -> tuple[dict[str, Any], str, str]:
         raise InvalidFileError(f"{where}: cannot read it ({e})") from None
     try:
         cfg = json.loads(text)
-    except (ValueError, RecursionError) as e:  # not JSON; a 100k-digit number; nested 100k deep
-        raise InvalidFileError(f"{where}: not valid JSON ({e if isinstance(e, ValueError) else 'nested too deeply'})") from None
+    except JSON_ERRORS as e:
+        raise InvalidFileError(f"{where}: {json_problem(e)}") from None
     if not isinstance(cfg, dict):
         raise InvalidFileError(f"{where}: expected a JSON object, got {type(cfg).__name__}")
     return cfg, where, path.name

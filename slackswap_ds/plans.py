@@ -157,6 +157,14 @@ class PlanMaker:
         state.prediction = self._prediction(profile, sim, held)
         return sim
 
+    def after_step(self, state: ShapeState, steps: int) -> None:
+        """After planned step (or pipeline batch) number `steps` of `state`'s shape: the state follows
+        a re-plan that step's verification made, and every `verify_every` steps the next step checks
+        the plan's recomputes again (the replay contract)."""
+        self.follow(state)
+        if self.cfg.verify_every and steps % self.cfg.verify_every == 0:
+            state.executor.verify_again()
+
     def follow(self, state: ShapeState) -> bool:
         """After the executor re-planned (a failed verification demoted tensors): the state's plan,
         profile and prediction become those of the plan it runs now, so that reports, traces and

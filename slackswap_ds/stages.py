@@ -143,9 +143,7 @@ class StageRuntime:
         self.last_stats = StepStats(peak_device_bytes=batch.peak, fallbacks=dict(batch.fallbacks))
         self.active_plan = state.plan
         self.reports.step(state.plan, state.prediction, batch.peak, batch.fallbacks)
-        self.plans.follow(state)  # the next batches run a re-planned plan if this one demoted tensors
-        if self.cfg.verify_every and self.steps % self.cfg.verify_every == 0:
-            state.executor.verify_again()  # the replay contract, checked again (config verify_every)
+        self.plans.after_step(state, self.steps)  # a re-plan followed; verify_every
 
     def _forward(self, forward_pass, buffer_id: int):
         batch = self.batch
