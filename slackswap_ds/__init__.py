@@ -4,7 +4,7 @@ Layers, bottom up: a module imports from its own layer or a lower one, never a h
 import cycles; no module imports another module's underscore names; core and planning import no
 torch (tests/test_structure.py holds the package to this block):
 
-    core         errors files budget profile hardware plan model_config workloads
+    core         errors files budget profile derive hardware plan model_config workloads
     planning     simulator planners pipeline report
     runtime      runtime checkpointing bucketing topology dist channels agreement planfile
     integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run
@@ -16,6 +16,7 @@ The map, one line per module (README.md, "What is in the box", says more):
     files           JSON read with errors that name the file; atomic writes, never through a link
     budget          budgets and sizes: the one parser; a fraction of the keep-all peak -> bytes
     profile         StepProfile, Op, Activation; canonical JSON and digests
+    derive          a profile of new input shapes from a measured one (sequence, batch)
     hardware        GPU and node presets (configs/hardware/), each number with its source
     plan            Decision, Plan, and its lowering to a per-stream Schedule
     model_config    a Hugging Face config.json as a ModelSpec

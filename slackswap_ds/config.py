@@ -125,6 +125,15 @@ class SlackSwapConfig(BaseModel):
         '(every saved tensor to host: within the budget, slower).',
         json_schema_extra=_doc('"on_shape_change" or "never"', "on_shape_change"),
     )
+    derive_shapes: bool = Field(
+        True,
+        description="A new input shape's plan is derived from a profile measured on other shapes (the changed "
+        "sequence and batch dims scaled in every saved tensor; slackswap_ds/derive.py) instead of profiling a "
+        "step of it: with a padding collator's own lengths per step, a job profiles once. The first step of a "
+        "derived plan checks its sizes (a dim such as s - 1 is fitted then, and the shape derived again); a shape "
+        "whose step saved other tensors is profiled on its next step (logged). `false`: profile every new shape.",
+        json_schema_extra=_doc("true or false", True),
+    )
     max_shapes: int = Field(
         32,
         ge=1,

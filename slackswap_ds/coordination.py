@@ -1,20 +1,25 @@
 """How one rank agrees with the others: channels, node facts and shares, and giving up.
 
-Planning a shape, on every rank that plans it at the same step:
+What is agreed, once per job, at its first planned step (every rank's first step after the
+warm-up, so every rank is there):
 
     1. node facts  every rank sends rank 0 its node, host uplink, demand and step (dist.RankFacts),
                    and rank 0 answers with everyone's; each rank computes every rank's Share of its
                    node (uplink split among the ranks on it, pinned pool max-min fair by demand);
-                   its own sizes its host pool (`exchange_facts`)
-    2. plan        the first of the ranks that run one plan plans it with the tightest Share of
-                   theirs, so that the one plan fits every replica (plans.py)
-    3. agreement   it sends its profile and plan as canonical JSON (no pickle); every rank checks
-                   that the profile's structure (names and bytes, not times) equals its own and that
-                   the plan fits; the verdict names the ranks at fault (agreement.py)
+                   its own sizes its host pool (`exchange_facts`). The shares hold for the job.
+    2. plan        where the ranks that run one plan are on the same input shapes, the first of
+                   them plans with the tightest Share of theirs, so that the one plan fits every
+                   replica (plans.py); ranks of equal shapes but another profile structure run
+                   another model (named: AgreementError). Where their shapes differ (a padding
+                   collator's own lengths per rank), each rank plans its own with its own share.
+    3. agreement   the one plan: its profile and plan as canonical JSON (no pickle); every rank
+                   checks that the profile's structure (names and bytes, not times) equals its own
+                   and that the plan fits; the verdict names the ranks at fault (agreement.py)
 
-Both exchanges go over MPI under MPI launchers, else over the torch.distributed store, each with a
-deadline (`sync_timeout_s`): a dead or stuck rank is named, never waited on forever. A rank that
-cannot go on shouts why and leaves (`give_up`).
+Later input shapes are planned by each rank alone (plans.plan_locally): a rank on a new length
+never waits for another. Both exchanges go over MPI under MPI launchers, else over the
+torch.distributed store, each with a deadline (`sync_timeout_s`): a dead or stuck rank is named,
+never waited on forever. A rank that cannot go on shouts why and leaves (`give_up`).
 """
 
 from __future__ import annotations
@@ -111,19 +116,21 @@ class Coordinator:
         return StoreChannel(rank=members.index(rank), world=len(members), prefix=f"slackswap/{name}", members=members)
 
     # ---- node facts --------------------------------------------------------------------------------
-    def exchange_facts(self, local: StepProfile, budget: int, step: str, holds: int = 1,
-                       pinned: int | None = None, peers: list[int] | None = None) -> Shares:
-        """Tell every rank this rank's node, uplink, demand and `step`; from everyone's, this rank's
-        Shares (`peers`: the ranks that run its plan, by default every rank; their first leads).
-        Peers planning another step than the first of them are named on every rank
+    def exchange_facts(self, local: StepProfile, budget: int, shapes: str, holds: int = 1,
+                       pinned: int | None = None, peers: list[int] | None = None) -> bool:
+        """Tell every rank this rank's node, uplink, demand and step (`shapes`, `local`'s
+        structure); from everyone's, this rank's Shares (`peers`: the ranks that run its plan, by
+        default every rank; their first leads). Whether the peers plan one step (the same shapes);
+        peers on the lead's shapes with another profile structure are named on every rank
         (AgreementError). `pinned`: host bytes ZeRO-Offload pins per rank (None: no offload)."""
         channel = self.job_channel()
         facts = RankFacts(node=self._node_key(channel.rank), uplink=self.topology.uplink_of[gpu_index() % self.topology.gpus],
-                          demand=max(0, holds * local.total_bytes - budget), step=step)
+                          demand=max(0, holds * local.total_bytes - budget), shapes=shapes,
+                          structure=local.structure_digest)
         everyone = [RankFacts.from_json(b) for b in exchange(channel, "facts", facts.to_json(), self.cfg.sync_timeout_s,
                                                               "node facts (node, uplink, demand)")]
         peers = list(range(channel.world)) if peers is None else peers
-        _check_same_step(channel.rank, everyone, peers)
+        one_step = _one_step(channel.rank, everyone, peers)
         shares = shares_of(everyone, self.hw, self.uplink_bps, self.cfg.host_pool_bytes_per_node, pinned or 0)
         if pinned is not None:  # every replica runs the same ZeRO config: the same link penalty for all
             # (0 pinned here: each node's pool was netted of its ranks' optimizer state above)
@@ -132,11 +139,16 @@ class Coordinator:
                      "optimizer state per rank: plans prefetch at the duplex rate (%.1f GB/s) and share only "
                      "what the node's pool has left", pinned / 1e9, shares[channel.rank].h2d(self.hw) / 1e9)
         node_ranks = [r for r, f in enumerate(everyone) if f.node == facts.node]
-        self.shares = Shares(shares[channel.rank], tightest([shares[r] for r in peers]), shares[peers[0]],
+        own = shares[channel.rank]
+        self.shares = Shares(own, tightest([shares[r] for r in peers]) if one_step else own, shares[peers[0]],
                              len(node_ranks))
         log.debug("slackswap rank %d: node %r ranks %s, uplink %d (%s), share %s; plans use %s", channel.rank,
                   facts.node, node_ranks, facts.uplink, self.topology.source, self.shares.own, self.shares.plan)
-        return self.shares
+        if not one_step and channel.rank == peers[0]:
+            log.info("slackswap: data-parallel ranks are on different input shapes (%s): each plans its own "
+                     "shapes with its own share of the node from now on (no rank waits for another's planning)",
+                     "; ".join(f"rank {r}: {everyone[r].shapes}" for r in peers))
+        return one_step
 
     def _node_key(self, rank: int) -> str:
         """Ranks with equal keys share a node: by `ranks_per_node`, by MPI shared memory, or by host."""
@@ -190,15 +202,18 @@ def _check_same_job(channel) -> None:
                 f"\"sync\": \"torch\" (or launch it with mpirun)")
 
 
-def _check_same_step(rank: int, everyone: list[RankFacts], peers: list[int]) -> None:
-    lead = peers[0]
-    others = {r: everyone[r].step for r in peers if everyone[r].step != everyone[lead].step}
+def _one_step(rank: int, everyone: list[RankFacts], peers: list[int]) -> bool:
+    """Whether `peers` plan one step: the lead's input shapes on every peer. A peer on the lead's
+    shapes whose profile has another structure runs another model (AgreementError, on every rank)."""
+    lead = everyone[peers[0]]
+    others = {r: everyone[r].step for r in peers if everyone[r].shapes == lead.shapes
+              and everyone[r].structure != lead.structure}
     if others:
         raise AgreementError(
-            f"rank {rank}: ranks {sorted(others)} plan another step than rank {lead} "
-            f"({everyone[lead].step}): " + "; ".join(f"rank {r}: {step}" for r, step in sorted(others.items()))
-            + ". Data-parallel replicas must run the same model on the same input shapes at each step "
-              "(pad variable-length batches to a common length, e.g. with slackswap_ds.pad_to_multiple)")
+            f"rank {rank}: ranks {sorted(others)} profiled another step than rank {peers[0]} on the same input "
+            f"shapes ({lead.step}): " + "; ".join(f"rank {r}: {step}" for r, step in sorted(others.items()))
+            + ". Data-parallel replicas must run the same model (the same layers, ops and saved tensors)")
+    return all(everyone[r].shapes == lead.shapes for r in peers)
 
 
 _exit_registered = False

@@ -4,9 +4,11 @@ PCIe uplinks and pinned pool, and the one Share a plan for every replica must fi
 Ranks on one node are grouped by MPI (`COMM_TYPE_SHARED`) under MPI launchers, by host name over
 torch.distributed otherwise, or by `ranks_per_node` (consecutive ranks; for tests and launchers that
 run several "nodes" on one host). Before planning, the ranks exchange their `RankFacts` (node, host
-uplink, demand, and the step they plan, so replicas on other shapes are named at once) through rank 0 with `agreement.exchange`; every rank then computes every rank's
-Share the same way (`shares_of`), and rank 0 plans with the tightest of them (`tightest`), so the
-one plan of the data-parallel replicas fits each of their links and pools.
+uplink, demand, and the step they plan: its input shapes and profile structure) through rank 0
+with `agreement.exchange`; every rank then computes every rank's Share the same way (`shares_of`).
+Where the replicas plan the same shapes, rank 0 plans with the tightest of their shares
+(`tightest`), so that their one plan fits each of their links and pools; where their shapes
+differ, each plans its own with its own share.
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ class RankFacts:
     node: str  # ranks with equal `node` share host memory and switches
     uplink: int  # its GPU's host uplink on that node (topology.Topology.uplink_of)
     demand: int  # bytes it may want to pin: its activations above the budget
-    step: str = ""  # the step it plans: input shapes and profile structure (replicas' must be equal)
+    shapes: str = ""  # the input shapes of the step it plans (data-parallel ranks' may differ)
+    structure: str = ""  # its profile's structure digest (equal on ranks of equal shapes)
+
+    @property
+    def step(self) -> str:
+        return f"input shapes {self.shapes}, profile {self.structure[:12]}"
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -36,7 +43,8 @@ class RankFacts:
     @classmethod
     def from_json(cls, text: str) -> "RankFacts":
         d = json.loads(text)
-        return cls(str(d["node"]), int(d["uplink"]), int(d["demand"]), str(d.get("step", "")))
+        return cls(str(d["node"]), int(d["uplink"]), int(d["demand"]), str(d.get("shapes", "")),
+                   str(d.get("structure", "")))
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,14 @@ Lifecycle, driven by the engine's own forward and backward (the user's loop does
                                saved tensor to host, so that no step holds more than the budget
                                before the keep-all peak it is a fraction of is measured
     the step after             runs under a ProfileSession (every saved tensor to host, so it fits
-                               the budget) -> measured StepProfile -> plan (rank 0)
-                               -> agreed across ranks -> Executor for these shapes
-    later steps                run under the executor of their input shapes; new shapes are
-                               profiled and planned on their step (replan = "on_shape_change"),
-                               or run in the shelter (replan = "never")
+                               the budget) -> measured StepProfile -> node shares and the plan
+                               agreed across ranks (one plan where their shapes are equal, each
+                               rank's own where they differ) -> Executor for these shapes
+    later steps                run under the executor of their input shapes. A new shape gets a
+                               plan of this rank's own (replan = "on_shape_change"): derived from
+                               a measured profile of other shapes, on its very step (derive.py;
+                               its first step checks the derived sizes), else profiled on its
+                               step; or it runs in the shelter (replan = "never")
     eval-mode forwards         left alone (not counted as steps, never profiled or planned)
 
 How a shape is planned and agreed: coordination.py and plans.py. A PipelineEngine gets per-stage
@@ -25,6 +28,7 @@ import torch
 
 from .agreement import AgreementError  # noqa: F401  (re-exported: callers catch it from here)
 from .config import SECTION, SlackSwapConfig, load_config
+from .errors import SlackSwapError
 from .coordination import Coordinator
 from .deepspeed_api import (MARK, config_given, hook_forward_backward, initialize_without_section,
                             is_pipeline_engine, remember_original)
@@ -35,7 +39,7 @@ from .reporting import StepReports, write_trace
 from .runtime.executor import Executor
 from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
-from .shapes import Run, ShapeCache, ShapeKey, ShapeState, shape_key, shapes_of
+from .shapes import Run, ShapeCache, ShapeKey, ShapeState, model_dims, shape_key, shapes_of
 
 # `deepspeed.initialize = ss.initialize` written by hand imports this module before the assignment
 # happens: DeepSpeed's own function is kept now (deepspeed_api.py)
@@ -82,6 +86,8 @@ class SlackSwapRuntime:
         self.active_plan: Plan | None = None  # the plan of that step (None: profiled or in the shelter)
         self.plans: PlanMaker | None = None  # set by attach
         self.reports: StepReports | None = None
+        self.profiled_steps = 0  # steps this rank profiled (a new shape without a derivable plan)
+        self.derived_plans = 0  # plans this rank derived for new shapes instead (derive.py)
 
     # views for users and tests (the services own these)
     @property
@@ -99,6 +105,7 @@ class SlackSwapRuntime:
     def attach(self) -> None:
         self.module = self.engine.module
         self.plans = PlanMaker.for_engine(self.engine, self.cfg)
+        self.model_dims = model_dims(self.module)
         self.reports = StepReports(self.cfg, self.plans.hw)
         hook_forward_backward(self.engine, self._before_forward, self._before_backward, self._after_backward)
         self.engine.slackswap = self
@@ -111,14 +118,16 @@ class SlackSwapRuntime:
         self.steps += 1
         key = shape_key(args, kwargs)
         run = Run.SHELTER if self.steps <= self.cfg.profile_steps else self.shapes.runner_for(key, self.plans.pool)
+        if run is Run.PROFILE and self._derived_plan(key):
+            run = Run.PLANNED
         if run is Run.SHELTER:
             self._say_shelter(key)
             if self.shelter is None:
                 self.shelter = Executor.shelter(self.module)
             self.active, key = self.shelter, None
         elif run is Run.PROFILE:
-            log.info("slackswap: profiling a step of input shapes %s (saved tensors go to host for this step)",
-                     shapes_of(key))
+            self.profiled_steps += 1
+            self._say_profiling(key)
             self.active = ProfileSession(self.module)
         else:
             self.active = self.shapes[key].executor
@@ -127,12 +136,21 @@ class SlackSwapRuntime:
         self.active.__enter__()
         return kwargs
 
+    def _say_profiling(self, key: ShapeKey) -> None:
+        if self.coordinator.shares is None:  # the job's first plan: every rank profiles, rank 0 says so
+            log.info("slackswap: profiling a step of input shapes %s (saved tensors go to host for this step)",
+                     shapes_of(key))
+        else:  # this rank's own shapes
+            log.info("slackswap rank %d: profiling a step of input shapes %s (saved tensors go to host for this "
+                     "step; profiled steps %d, derived plans %d)", self.rank, shapes_of(key), self.profiled_steps,
+                     self.derived_plans, extra=EVERY_RANK)
+
     def _say_shelter(self, key: ShapeKey) -> None:
         if self.steps == 1:
             log.info("slackswap: the first %d step(s) warm up in the shelter: every saved tensor goes to host, so "
                      "device activation memory stays within any budget until the step after them is profiled",
                      self.cfg.profile_steps)
-        elif self.steps > self.cfg.profile_steps:
+        elif self.steps > self.cfg.profile_steps and self.cfg.replan == "never":
             self.say_once("shelter", logging.WARNING, "slackswap: input shapes %s are new and replan is \"never\": "
                           "steps of new shapes run in the shelter (every saved tensor to host: within the budget, "
                           "slower)", shapes_of(key))
@@ -178,6 +196,10 @@ class SlackSwapRuntime:
             return
         self.last_stats = stats = state.executor.stats.last_step
         self.active_plan = state.plan
+        if not state.checked:
+            state.checked = True
+            if state.derived_from is not None and not self._derivation_held(key, state, stats):
+                return
         self.reports.step(state.plan, state.prediction, stats.peak_device_bytes, stats.fallbacks)
         timeline = state.executor.stats.last_timeline
         if timeline is not None and state.executor.record:
@@ -187,18 +209,113 @@ class SlackSwapRuntime:
         self.plans.after_step(state, self.steps)  # a re-plan followed; verify_every
 
     # ---- profile -> plan -> agree -> apply ---------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self.coordinator.job_channel().rank
+
     def _make_plan(self, state: ShapeState, local, key: ShapeKey) -> None:
+        self.shapes.add_base(key, local, self.model_dims)
+        budget = self.cfg.budget.of(local.total_bytes)
+        if self.coordinator.shares is not None:  # agreed at the job's first plan: this rank plans alone
+            try:
+                agreed = self.plans.plan_locally(local, budget, key)
+            except SlackSwapError as e:
+                self._shelter_shape(key, state, e)
+                return
+            self.plans.install(state, agreed)
+            self._say_own_plan(key, state, "planned from its profile")
+            return
         channel = self.coordinator.job_channel()
-        agreed = self.plans.agree(local, self.cfg.budget.of(local.total_bytes), key, channel)
+        agreed = self.plans.agree(local, budget, key, channel)
         record = bool(self.cfg.trace_file and channel.rank == 0)
         sim = self.plans.install(state, agreed, record=record)
-        self._say_plan(state, agreed, channel.rank, channel.world)
+        if agreed.ranks == 1 and channel.world > 1:
+            self._say_own_plan(key, state, "planned from its profile (the ranks' shapes differ)")
+        else:
+            self._say_plan(state, agreed, channel.rank, channel.world)
         if record:
             # the prediction now; the first measured step beside it (same format, see _after_backward),
             # unless the trace could not be written
             state.executor.record = write_trace(sim, self.cfg.trace_file, "predicted",
                                                 budget_bytes=agreed.plan.budget_bytes,
                                                 title=f"slackswap plan {agreed.plan.digest[:12]} (predicted)")
+
+    def _derived_plan(self, key: ShapeKey) -> bool:
+        """A plan for new shapes `key` derived from a measured profile of other shapes (derive.py),
+        installed, so that this step runs under it instead of being profiled; whether there is one.
+        The job's first plan is always measured (and agreed)."""
+        base = self.shapes.base_for(key) if self.cfg.derive_shapes else None
+        if base is None or self.coordinator.shares is None:
+            return False
+        base_key, deriver = base
+        derivation = deriver.derive(shapes_of(key))
+        if derivation.profile is None:
+            self.say_once(f"underivable {derivation.why}", logging.INFO, "slackswap: new input shapes are profiled, "
+                          "not derived from others' (%s)", derivation.why)
+            return False
+        if not self._install_derived(key, derivation.profile, base_key):
+            return False
+        self.derived_plans += 1
+        self._say_own_plan(key, self.shapes[key], f"derived from the profile of {shapes_of(base_key)} (no profiled "
+                           f"step; profiled steps {self.profiled_steps}, derived plans {self.derived_plans})")
+        return True
+
+    def _install_derived(self, key: ShapeKey, profile, base_key: ShapeKey) -> bool:
+        state = self.shapes[key]
+        try:
+            agreed = self.plans.plan_locally(profile, self.cfg.budget.of(profile.total_bytes), key, use_plan_file=False)
+        except SlackSwapError as e:
+            log.info("slackswap rank %d: no plan for input shapes %s from a derived profile (%s); profiling them",
+                     self.rank, shapes_of(key), e, extra=EVERY_RANK)
+            return False
+        self.plans.install(state, agreed)
+        state.derived_from, state.checked = base_key, False
+        return True
+
+    def _derivation_held(self, key: ShapeKey, state: ShapeState, stats) -> bool:
+        """After the first step under a derived plan: whether the step was what the derivation said
+        (every saved tensor in it, at its derived size; the peak within the budget). Where sizes
+        differed, the dims are fitted to this step's (derive.Deriver.learn) and the shape derived
+        again; where that cannot explain the step, the shape is profiled on its next step. Logged."""
+        unplanned = stats.fallbacks.get("not in the plan's profile: swapped", 0)
+        if not (stats.resized or unplanned or stats.peak_device_bytes > state.plan.budget_bytes):
+            return True
+        deriver = self.shapes.bases.get(state.derived_from)
+        if deriver is not None and not (unplanned or state.refitted) and stats.resized \
+                and not deriver.learn(shapes_of(key), stats.sizes):
+            again = deriver.derive(shapes_of(key)).profile
+            if again is not None and all(stats.sizes.get(a.key, (None, a.bytes))[1] == a.bytes
+                                         for a in again.activations):
+                if self._install_derived(key, again, state.derived_from):
+                    state.refitted = True
+                    log.info("slackswap rank %d: %d saved tensor(s) of input shapes %s had other sizes than derived "
+                             "(dims such as s - 1 or b * s): their dims are fitted to this step, the shapes "
+                             "derived again (plan %s)", self.rank, stats.resized, shapes_of(key),
+                             state.plan.digest[:12], extra=EVERY_RANK)
+                    return False
+        log.warning("slackswap rank %d: the plan derived for input shapes %s did not fit their step (%d saved "
+                    "tensor(s) of another size than derived, %d not in the derived profile, peak %s B against a "
+                    "budget of %s B): these shapes are profiled on their next step", self.rank, shapes_of(key),
+                    stats.resized, unplanned, f"{stats.peak_device_bytes:,}", f"{state.plan.budget_bytes:,}",
+                    extra=EVERY_RANK)
+        self.shapes.drop(key)
+        self.shapes.underivable.add(key)
+        return False
+
+    def _shelter_shape(self, key: ShapeKey, state: ShapeState, error: Exception) -> None:
+        """No plan for `key` on this rank: its steps run in the shelter (within any budget, slower)."""
+        state.shelter = True
+        log.warning("slackswap rank %d: no plan for input shapes %s (%s: %s); their steps run in the shelter "
+                    "(every saved tensor to host: within the budget, slower)", self.rank, shapes_of(key),
+                    type(error).__name__, error, extra=EVERY_RANK)
+
+    def _say_own_plan(self, key: ShapeKey, state: ShapeState, how: str) -> None:
+        """A plan this rank made alone, for shapes of its own."""
+        plan = state.plan
+        log.info("slackswap rank %d: input shapes %s: plan %s %s; budget %s B of %s B keep-all; %s; predicts "
+                 "%.1f%% of ideal throughput", self.rank, shapes_of(key), plan.digest[:12], how,
+                 f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile),
+                 100 * state.prediction.throughput, extra=EVERY_RANK)
 
     def _say_plan(self, state: ShapeState, agreed: Agreed, rank: int, world: int) -> None:
         """One plan line per job (rank 0's), and one from each rank whose link share differs."""
@@ -208,7 +325,7 @@ class SlackSwapRuntime:
         if rank == 0:
             log.info("slackswap rank 0: budget %s B of %s B keep-all; %s; planner %s on %s (link share D2H %.1f / "
                      "H2D %.1f GB/s) predicts %.1f%% of ideal throughput; plan %s agreed over %s by %d ranks",
-                     f"{plan.budget_bytes:,}", f"{agreed.profile.total_bytes:,}", plan_summary(plan, agreed.profile),
+                     f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile),
                      plan.planner, self.plans.hw.name, rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, throughput,
                      plan.digest[:12], self.coordinator.via, world)
         elif shares.own != shares.lead:  # the same plan; what differs on this rank

@@ -10,7 +10,9 @@ both use to turn a measured profile into a running executor:
                     synchronous: prefetches timed for the planning hardware are retimed if they
                     would push the peak over the budget there
     agree           node facts, the lead rank's plan (from plan_file if one was made for exactly
-                    this job), and the agreement of every rank that runs it (coordination.py)
+                    this job), and the agreement of every rank that runs it (coordination.py); where
+                    the ranks' input shapes differ, each rank's own plan
+    plan_locally    a plan of this rank alone, with its own share: every shape after the job's first
     install         the shape's executor on this rank's host pool, and the prediction reports
                     compare with; the plan is not lowered or simulated again where the planner's
                     `Planned` already holds its schedule and its simulation on this rank's share
@@ -35,7 +37,7 @@ from .machine import resolve_hardware
 from .plan import Plan, lower
 from .planfile import MadeFor
 from .planners import PLANNERS, get_planner, keep_all_result, refusal
-from .planners.common import Planned, fit_triggers, held_bytes, simulated
+from .planners.common import Planned, Share, fit_triggers, held_bytes, simulated
 from .profile import StepProfile
 from .runtime.device import Device
 from .runtime.executor import apply
@@ -50,12 +52,16 @@ FALLBACK_PLANNERS = ("offload-all", "full-recompute")
 
 @dataclass(frozen=True)
 class Agreed:
-    """The plan every rank of a group runs, with the profile it was made for (the lead's), and the
-    lead's `Planned` (a planner's, or the plan_file's plan simulated; None on the other ranks)."""
+    """The plan a rank runs, with the profile it was made for (the lead's, where a group runs one
+    plan), the lead's `Planned` (a planner's, or the plan_file's plan simulated; None on the other
+    ranks of a group), the share that `Planned` was simulated on, and how many ranks run the plan
+    (1: a rank's own, `plan_locally`)."""
 
     profile: StepProfile
     plan: Plan
     planned: Planned | None
+    share: Share | None = None
+    ranks: int = 1
 
 
 class PlanMaker:
@@ -80,9 +86,10 @@ class PlanMaker:
         return cls(cfg, hw, engine.module, Coordinator(cfg, hw), zero_offload_pinned_bytes(engine))
 
     # ---- making a plan ---------------------------------------------------------------------------
-    def within_budget(self, profile: StepProfile, budget: int, planner: str) -> Planned:
-        """`planner`'s plan within `budget`, else the fastest fallback's (module docstring)."""
-        share = self.coordinator.shares.plan
+    def within_budget(self, profile: StepProfile, budget: int, planner: str, share: Share | None = None) -> Planned:
+        """`planner`'s plan within `budget` on `share` (default: the shares' plan share), else the
+        fastest fallback's (module docstring)."""
+        share = share or self.coordinator.shares.plan
         try:
             return get_planner(planner)(profile, self.hw, budget, share, holds=self.holds)
         except BudgetInfeasibleError as e:
@@ -103,12 +110,13 @@ class PlanMaker:
                     planner, f"{budget:,}", reasons[0], other, 1e3 * planned.result.step_s)
         return planned
 
-    def fit_to_device(self, profile: StepProfile, planned: Planned) -> Planned:
-        """`planned` as it should run on this device (module docstring; retimes are logged)."""
+    def fit_to_device(self, profile: StepProfile, planned: Planned, share: Share | None = None) -> Planned:
+        """`planned` (made on `share`, default the shares' plan share) as it should run on this
+        device (module docstring; retimes are logged)."""
         if Device.current().has_streams:
             return planned
-        fitted = fit_triggers(profile, planned, self.hw, Hardware.instant_copies(), self.coordinator.shares.plan,
-                              holds=self.holds)
+        fitted = fit_triggers(profile, planned, self.hw, Hardware.instant_copies(),
+                              share or self.coordinator.shares.plan, holds=self.holds)
         if fitted is not planned:
             log.info("slackswap: copies are synchronous on this device; prefetches retimed so that the plan "
                      "stays within its budget here (%s -> %s)", planned.plan.digest[:12], fitted.plan.digest[:12])
@@ -120,19 +128,33 @@ class PlanMaker:
         with every rank of the job, the plan made by `channel`'s rank 0 (the lead of `peers`), and
         its agreement over `channel`."""
         coordinator = self.coordinator
-        coordinator.exchange_facts(local, budget, f"input shapes {describe(key)}, profile {local.structure_digest[:12]}",
-                                   self.holds, self.offload_pinned_bytes, peers)
+        if not coordinator.exchange_facts(local, budget, describe(key), self.holds, self.offload_pinned_bytes, peers):
+            return self.plan_locally(local, budget, key)
         plan = planned = None
         if channel.rank == 0:
-            made_for = self.made_for(local, budget, key) if use_plan_file and self.cfg.plan_file else None
-            planned = self.load_plan(local, made_for) if made_for is not None else None
-            if planned is None:
-                planned = self.fit_to_device(local, self.within_budget(local, budget, self.cfg.planner))
-                if made_for is not None:
-                    self.save_plan(made_for, planned.plan)
+            planned = self._planned(local, budget, key, coordinator.shares.plan, use_plan_file)
             plan = planned.plan
         profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
-        return Agreed(profile, plan, planned)
+        return Agreed(profile, plan, planned, coordinator.shares.plan, channel.world)
+
+    def plan_locally(self, local: StepProfile, budget: int, key: ShapeKey, use_plan_file: bool = True) -> Agreed:
+        """This rank's own plan for `local` (of input shapes `key`), with its own share: no other
+        rank is asked or waited for (the shares were agreed at the job's first plan). Rank 0 keeps
+        its plans in plan_file too, unless not `use_plan_file` (a derived profile's, unchecked)."""
+        share = self.coordinator.shares.own
+        planned = self._planned(local, budget, key, share, use_plan_file and self.coordinator.job_channel().rank == 0)
+        return Agreed(local, planned.plan, planned, share)
+
+    def _planned(self, local: StepProfile, budget: int, key: ShapeKey, share: Share, use_plan_file: bool) -> Planned:
+        """The plan_file's plan made for exactly this (`use_plan_file`), else a new one within the
+        budget on `share`, fitted to the device (and added to plan_file)."""
+        made_for = self.made_for(local, budget, key, share) if use_plan_file and self.cfg.plan_file else None
+        planned = self.load_plan(local, made_for, share) if made_for is not None else None
+        if planned is None:
+            planned = self.fit_to_device(local, self.within_budget(local, budget, self.cfg.planner, share), share)
+            if made_for is not None:
+                self.save_plan(made_for, planned.plan)
+        return planned
 
     # ---- installing it -----------------------------------------------------------------------------
     def install(self, state: ShapeState, agreed: Agreed, record: bool = False) -> SimResult:
@@ -148,7 +170,7 @@ class PlanMaker:
             schedule = planned.schedule
         else:
             schedule = lower(profile, plan)  # this rank's one lowering of a plan it received
-        if planned is not None and shares.own == shares.plan and not record:
+        if planned is not None and agreed.share == shares.own and not record:
             sim = planned.result  # the planner simulated it on this very share
         else:  # another share than the plan's, a plan received or read from a file, or a recorded trace
             sim = simulate(schedule, shares.own.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
@@ -192,19 +214,20 @@ class PlanMaker:
         (a nondeterministic kernel may misbehave on one rank only; ranks may then differ, logged)."""
         pinned = profile.without_recompute(failures)
         planner = plan.planner if plan.planner in PLANNERS else self.cfg.planner
-        return pinned, self.fit_to_device(pinned, self.within_budget(pinned, plan.budget_bytes, planner)).plan
+        share = self.coordinator.shares.own
+        return pinned, self.fit_to_device(pinned, self.within_budget(pinned, plan.budget_bytes, planner, share),
+                                          share).plan
 
     # ---- plan files --------------------------------------------------------------------------------
-    def made_for(self, profile: StepProfile, budget: int, key: ShapeKey) -> MadeFor:
-        """What a plan made now is made for (planfile.MadeFor)."""
-        share = self.coordinator.shares.plan
+    def made_for(self, profile: StepProfile, budget: int, key: ShapeKey, share: Share) -> MadeFor:
+        """What a plan made now on `share` is made for (planfile.MadeFor)."""
         return MadeFor(
             inputs=describe(key), structure=profile.structure_digest, budget_bytes=int(budget),
             hardware=f"{self.hw.name} {self.hw.digest}", planner=self.cfg.planner,
             share=f"d2h {share.d2h_bps} h2d {share.h2d_bps} pool {share.host_pool_bytes}",
             world=f"{self.coordinator.job_channel().world} ranks, {self.coordinator.shares.node_ranks} per node")
 
-    def load_plan(self, profile: StepProfile, made_for: MadeFor) -> Planned | None:
+    def load_plan(self, profile: StepProfile, made_for: MadeFor, share: Share) -> Planned | None:
         """The plan_file's plan made for exactly this job (rebuilt for this profile: the same
         decisions and triggers), lowered and simulated once, or None; a file with none, or whose
         plan does not keep this job's budget (an edited file), is refused with the reason."""
@@ -219,8 +242,7 @@ class PlanMaker:
                 entry.plan.check(profile)
             except PlanError as e:
                 raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
-            planned = simulated(profile, entry.plan.rebuilt(profile), self.hw, self.coordinator.shares.plan,
-                                self.holds)
+            planned = simulated(profile, entry.plan.rebuilt(profile), self.hw, share, self.holds)
             why = self._over_budget(planned, made_for.budget_bytes)
         if why:
             message = f"plan_file {path!r} has no plan made for this job ({'; '.join(why)})"

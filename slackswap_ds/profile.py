@@ -68,6 +68,7 @@ class Activation:
     users: tuple[int, ...]  # op indices whose backward reads it
     producers: tuple[int, ...] = ()  # op indices whose forward regenerates it; () = not recomputable
     deps: tuple[str, ...] = ()  # activations that must be present to re-run the producers
+    shape: tuple[int, ...] | None = None  # as first saved (measured profiles; derive.py scales by it)
 
     @property
     def saved_at(self) -> int:
@@ -94,13 +95,16 @@ class Activation:
         return _LAYER_INDEX.sub("*", self.key, count=1)
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "key": self.key,
             "bytes": self.bytes,
             "users": list(self.users),
             "producers": list(self.producers),
             "deps": list(self.deps),
         }
+        if self.shape is not None:  # (absent in modelled profiles: their JSON and digests unchanged)
+            out["shape"] = list(self.shape)
+        return out
 
     @classmethod
     def from_json(cls, d: dict) -> "Activation":
@@ -110,6 +114,7 @@ class Activation:
             tuple(int(u) for u in d["users"]),
             tuple(int(p) for p in d.get("producers", ())),
             tuple(str(x) for x in d.get("deps", ())),
+            tuple(int(n) for n in d["shape"]) if d.get("shape") is not None else None,
         )
 
 

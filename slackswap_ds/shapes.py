@@ -3,7 +3,9 @@
 A step's shape key is the shape and dtype of every tensor it takes (its forward's arguments, a
 pipeline micro-batch's inputs and labels). Each shape gets its own profile, plan and executor
 (`ShapeState`); at most `max_shapes` are kept, the least recently used dropped first (`ShapeCache`),
-and `ShapeCache.runner_for` says how a step of a shape runs: under its plan, profiled, or plain.
+and `ShapeCache.runner_for` says how a step of a shape runs: under its plan, profiled, or in the
+shelter. The cache also keeps the last few measured profiles (`base_for`): a new shape's plan may
+be derived from one of them instead of profiled (derive.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .derive import Deriver
 from .plan import Plan
 from .profile import StepProfile
 from .runtime.executor import Executor
@@ -31,6 +34,12 @@ def shape_key(args: tuple, kwargs: dict) -> ShapeKey:
 
     leaves = tree_flatten((args, kwargs))[0]
     return tuple((tuple(t.shape), str(t.dtype)) for t in leaves if isinstance(t, torch.Tensor))
+
+
+def model_dims(module: torch.nn.Module) -> frozenset[int]:
+    """Every dim of the module's parameters (ZeRO-3's full shapes, not its partitions): a changing
+    input dim equal to one of them cannot be told apart from it (derive.py)."""
+    return frozenset(d for p in module.parameters() for d in getattr(p, "ds_shape", p.shape))
 
 
 def describe(key: ShapeKey) -> str:
@@ -59,6 +68,10 @@ class ShapeState:
     plan: Plan | None = None
     executor: Executor | None = None
     prediction: Prediction = field(default_factory=Prediction)
+    derived_from: ShapeKey | None = None  # the shapes whose measured profile its profile was derived from
+    checked: bool = False  # a step has run under its plan (a derived plan's sizes were checked then)
+    refitted: bool = False  # derived again after its first step's sizes fitted the dims (derive.Deriver.learn)
+    shelter: bool = False  # no plan could be made for it on this rank: its steps run in the shelter
 
 
 class Run(enum.Enum):
@@ -66,15 +79,19 @@ class Run(enum.Enum):
 
     PLANNED = "planned"  # under its shape's executor
     PROFILE = "profile"  # profiled (a shape without a plan yet)
-    SHELTER = "shelter"  # every saved tensor to host, within any budget (a new shape when re-planning is off)
+    SHELTER = "shelter"  # every saved tensor to host, within any budget (warm-up; a shape without a plan)
 
 
 class ShapeCache:
     """The ShapeStates of at most `max_shapes` input shapes, least recently used first."""
 
+    BASES = 4  # measured profiles kept to derive new shapes' plans from
+
     def __init__(self, max_shapes: int, replan: str):
         self.max_shapes, self.replan = max_shapes, replan
         self.states: "collections.OrderedDict[ShapeKey, ShapeState]" = collections.OrderedDict()
+        self.bases: "collections.OrderedDict[ShapeKey, Deriver]" = collections.OrderedDict()
+        self.underivable: set[ShapeKey] = set()  # shapes a derived plan did not fit: profiled instead
 
     def __len__(self) -> int:
         return len(self.states)
@@ -99,15 +116,45 @@ class ShapeCache:
         one that is to be profiled gets its (empty) state now, after room is made for it (unless
         not `add`: a pipeline batch profiles one micro-batch, the others of new shapes wait)."""
         state = self.states.get(key)
-        if state is not None and state.executor is not None:
+        if state is not None and (state.executor is not None or state.shelter):
             self.states.move_to_end(key)
-            return Run.PLANNED
+            return Run.SHELTER if state.shelter else Run.PLANNED
         if state is None and self.states and self.replan == "never":
             return Run.SHELTER  # shapes changed, no re-planning: these shapes' steps in the shelter
         if state is None and add:
             self._make_room(pool)
             self.states[key] = ShapeState()
         return Run.PROFILE
+
+    def drop(self, key: ShapeKey) -> None:
+        """Forget `key`'s plan: its next step is profiled."""
+        self.states.pop(key, None)
+
+    def add_base(self, key: ShapeKey, profile: StepProfile, dims: frozenset[int]) -> None:
+        """A profile measured on inputs of `key`, to derive other shapes' plans from (`dims`: the
+        model's parameters' dims, derive.input_dims)."""
+        self.bases[key] = Deriver(profile, shapes_of(key), dims)
+        self.bases.move_to_end(key)
+        while len(self.bases) > self.BASES:
+            self.bases.popitem(last=False)
+
+    def base_for(self, key: ShapeKey) -> tuple[ShapeKey, Deriver] | None:
+        """The Deriver of the measured profile nearest to `key` in input size among those of the
+        same inputs' number, ranks and dtypes, or None (also for a shape known to be underivable)."""
+        if key in self.underivable:
+            return None
+        def alike(other: ShapeKey) -> bool:
+            return len(other) == len(key) and all(len(a) == len(b) and da == db
+                                                  for (a, da), (b, db) in zip(other, key))
+
+        def size(k: ShapeKey) -> int:
+            return sum(math.prod(shape) for shape, _ in k)
+
+        found = [(abs(size(k) - size(key)), k) for k in self.bases if alike(k)]
+        if not found:
+            return None
+        _, best = min(found)
+        return best, self.bases[best]
 
     def _make_room(self, pool: HostPool | None) -> None:
         """Before a new shape: keep at most `max_shapes - 1` others, dropping the least recently used."""
@@ -122,4 +169,5 @@ class ShapeCache:
                      self.max_shapes, dropped, f"{freed:,}")
 
 
-__all__ = ["Prediction", "Run", "ShapeCache", "ShapeKey", "ShapeState", "describe", "shape_key", "shapes_of"]
+__all__ = ["Prediction", "Run", "ShapeCache", "ShapeKey", "ShapeState", "describe", "model_dims", "shape_key",
+           "shapes_of"]

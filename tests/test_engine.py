@@ -115,14 +115,14 @@ def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_els
 
     from slackswap_ds import planfile
 
-    path = tmp_path / "plans.json"
-    first = _steps({"plan_file": str(path)}, seqs=(16, 16, 16, 32, 32))
+    path = tmp_path / "plans.json"  # (plans of profiled shapes: derived ones are not kept)
+    first = _steps({"plan_file": str(path), "derive_shapes": False}, seqs=(16, 16, 16, 32, 32))
     entries = planfile.read(path)
     assert sorted(e.made_for.inputs for e in entries) == ["(2, 16) torch.int64; (2, 16) torch.int64",
                                                           "(2, 32) torch.int64; (2, 32) torch.int64"]
     digests = {e.made_for.inputs: e.plan.decisions for e in entries}
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
-        again = _steps({"plan_file": str(path)}, seqs=(16, 16, 16, 32, 32))
+        again = _steps({"plan_file": str(path), "derive_shapes": False}, seqs=(16, 16, 16, 32, 32))
     assert sum("using the plan in plan_file" in r.getMessage() for r in caplog.records) == 2
     assert {k: s.plan.decisions for k, s in again.shapes.items()} == \
         {k: s.plan.decisions for k, s in first.shapes.items()}
@@ -288,6 +288,56 @@ def test_new_input_shapes_are_profiled_and_planned_on_their_own():
     short, long = sorted(plans.values(), key=lambda p: p.budget_bytes)
     assert short.digest != long.digest and long.budget_bytes > short.budget_bytes
     assert runtime.active_plan is short  # the last step (seq 16) ran under its own shape's plan
+
+
+def test_new_lengths_every_step_get_derived_plans_exact_within_budget_after_one_profiled_step(caplog):
+    """A padding collator's own length every step: after the job's one profiled step, each new
+    length's plan is derived (derive.py), not profiled; the first derived step fits the dims that
+    are not the sequence (a loss over s - 1 tokens, GPT-2's head dim 16 when s was 16) and every
+    later derivation is exact. Loss and every gradient equal the model without SlackSwap (with
+    use_cache off, as SlackSwap runs a Hugging Face model: takeover.py), every step within the
+    budget of its own shapes."""
+    import logging
+    import random
+
+    import torch
+
+    lengths = [random.Random(7).randint(5, 40) for _ in range(18)]
+    lengths[1] = 16  # the profiled step: head dim 16 equals this length, so the first derivation is wrong
+
+    def run(enabled: bool):
+        model = _gpt2()
+        engine = _EngineShim(model)
+        runtime = None
+        if enabled:
+            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                          "profile_steps": 1}}))
+            runtime.attach()
+        torch.manual_seed(1)
+        losses, peaks = [], []
+        for seq in lengths:
+            ids = torch.randint(1, 128, (2, seq))
+            loss = engine.forward(input_ids=ids, labels=ids, use_cache=False).loss
+            engine.backward(loss)
+            losses.append(loss.item())
+            if runtime is not None:
+                plan = runtime.active_plan
+                peaks.append((runtime.last_stats.peak_device_bytes, plan.budget_bytes if plan else None))
+        return losses, [p.grad for p in model.parameters()], runtime, peaks
+
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        losses, grads, runtime, peaks = run(True)
+    plain_losses, plain_grads, _, _ = run(False)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert runtime.profiled_steps == 1 and runtime.derived_plans == len(set(lengths[2:]) - {16})
+    planned = [(peak, budget) for peak, budget in peaks[2:] if budget is not None]
+    assert len(planned) == len(lengths) - 2 and all(peak <= budget for peak, budget in planned), planned
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("their dims are fitted to this step" in m for m in messages) == 1
+    assert not any("did not fit their step" in m for m in messages)
+    (refitted,) = [s for s in runtime.shapes.values() if s.refitted]
+    assert all(s.checked and s.executor.stats.last_step.resized == 0 for s in runtime.shapes.values()
+               if s.derived_from is not None and s is not refitted)
 
 
 def test_every_step_from_the_first_is_within_the_budget(caplog):
@@ -539,7 +589,7 @@ def test_at_most_max_shapes_plans_are_kept_least_recently_used_first_out(caplog)
     import logging
 
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
-        runtime = _steps({"max_shapes": 2}, seqs=(16, 16, 24, 16, 32, 16, 24))
+        runtime = _steps({"max_shapes": 2, "derive_shapes": False}, seqs=(16, 16, 24, 16, 32, 16, 24))
     assert [key[0][0][1] for key in runtime.shapes] == [16, 24]  # 32 pushed 24 out; 24 came back, pushing 32
     drops = [r.getMessage() for r in caplog.records if "max_shapes=2" in r.getMessage()]
     assert len(drops) == 2 and "[(2, 24), (2, 24)]" in drops[0] and "[(2, 32), (2, 32)]" in drops[1]

@@ -5,6 +5,7 @@ itself: routes deepspeed.initialize without recursion, idempotent, undone by `un
 
 import json
 import re
+from pathlib import Path
 import subprocess
 import sys
 
@@ -19,16 +20,16 @@ pytest.importorskip("transformers")
 SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g-pcie4", "log_every": 1}
 
 
-def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool) -> tuple[list[float], str]:
-    """tests/adoption/<script>.py through `python -m slackswap_ds.run` under a launcher, on 2 ranks:
+def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool, n: int = 2) -> tuple[list[float], str]:
+    """tests/adoption/<script>.py through `python -m slackswap_ds.run` under a launcher, on `n` ranks:
     its losses and output."""
     config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled}}
-    name = f"{script}.{launcher}.{'on' if enabled else 'off'}"
+    name = f"{script}.{launcher}.{n}.{'on' if enabled else 'off'}"
     cfg, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
     cfg.write_text(json.dumps(config))
     target = [str(SCRIPTS / f"{script}.py"), "--deepspeed_config", str(cfg), "--losses", str(losses)]
     if launcher == "deepspeed":
-        cmd = deepspeed_line(2, "--module", "slackswap_ds.run", *target)
+        cmd = deepspeed_line(n, "--module", "slackswap_ds.run", *target)
     elif launcher == "torchrun":
         cmd = torchrun_line(2, "-m", "slackswap_ds.run", *target)
     else:
@@ -85,6 +86,33 @@ def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_ru
     reports = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
                re.findall(r"peak of saved activations ([\d,]+) B \(predicted [\d,]+ B, budget ([\d,]+) B\)", out_on)]
     assert warm_up <= budget and len(reports) == 4 and all(peak <= b == budget for peak, b in reports), reports
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_every_rank_on_its_own_lengths_every_step_trains_exactly_within_budget(tmp_path, n):
+    """HF Trainer with DataCollatorWithPadding (tests/adoption/hf_padding.py): each batch padded to its
+    own longest sequence, so the ranks' shapes differ at almost every step. 30 steps: losses and final
+    parameters equal to the disabled run; on every rank every step within the budget of its plan (the
+    warm-up and profiled ones within the least of them), one or two profiled steps for many distinct
+    lengths (the others' plans derived), and no rank waited for another's planning."""
+    runs = {}
+    for enabled in (True, False):
+        losses, out = launch(tmp_path, "deepspeed", "hf_padding", HF, enabled, n=n)
+        name = tmp_path / f"hf_padding.deepspeed.{n}.{'on' if enabled else 'off'}.losses.json"
+        ranks = [json.loads(Path(f"{name}.rank{r}").read_text()) for r in range(n)]
+        runs[enabled] = losses, out, ranks
+    (losses_on, out_on, ranks_on), (losses_off, _, ranks_off) = runs[True], runs[False]
+    assert len(losses_on) == 30 and losses_on == losses_off
+    assert ranks_on[0]["parameters"] == ranks_off[0]["parameters"]
+    assert "data-parallel ranks are on different input shapes" in out_on
+    assert not re.search(r"did not (answer|report|send)|AgreementError", out_on)
+    for r, rank in enumerate(ranks_on):
+        steps = rank["steps"]
+        budgets = [b for _, b in steps if b is not None]
+        assert len(steps) == 30 and len(budgets) == 29 - rank["profiled"], (r, steps)
+        assert all(peak <= (b if b is not None else min(budgets)) for peak, b in steps), (r, steps)
+        assert len(rank["shapes"]) >= 12 and 1 <= rank["profiled"] <= 2, (r, rank)
+        assert rank["derived"] >= len(rank["shapes"]) - rank["profiled"], (r, rank)
 
 
 # ---- ss.install() itself, in process -------------------------------------------------------------

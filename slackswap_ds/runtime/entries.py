@@ -4,8 +4,9 @@
   (naming.py: its region label, the rank of its storage among the region's saved storages, its
   autograd node), and its decision looked up in the step's Program. Anything that does not match
   the Schedule (a tensor the profile did not see, a recompute outside its layer call or made by
-  other ops than profiled, a full host pool) is kept and counted in `stats.fallbacks`: a plan can
-  cost memory, never correctness. Then the decision is carried out: KEEP holds the storage,
+  other ops than profiled) goes to host instead, so that the budget holds, and is counted in
+  `stats.fallbacks`; a swap the full host pool cannot take is kept. A plan can cost time, or
+  memory when the pool is full, never correctness. Then the decision is carried out: KEEP holds the storage,
   SWAP copies it out (swaps.py), RECOMPUTE lets it go (calls.py; a verifying step keeps
   forward's bytes on the host, verify.py). Without a plan, saves stay on the device while they
   fit in `keep_bytes` and go to host (blocking) otherwise.
@@ -43,6 +44,13 @@ def _fallback(step: Step, why: str) -> Decision:
     return Decision.KEEP
 
 
+def _to_host(step: Step, why: str) -> Decision:
+    """A save the plan cannot carry out goes to host instead, so that the budget holds (kept after
+    all if the host pool is full: `_place`)."""
+    step.stats.fallback(f"{why}: swapped")
+    return Decision.SWAP
+
+
 class Entries:
     """The entries of an executor's steps (see the module docstring)."""
 
@@ -70,6 +78,8 @@ class Entries:
             key = activation_key(label, n, maker_of(t))
         nbytes = st.nbytes()
         planned = step.program.acts.get(key) if step.program is not None else None
+        if step.program is not None and step.program.guarded:  # a derived plan: its sizes are checked
+            step.stats.sizes.setdefault(key, (tuple(t.shape), nbytes))
         writer = step.writers.get(st._cdata)
         if writer is not None and writer.call.label != label:
             writer = None  # made in another layer call: no replay of this one makes it
@@ -95,24 +105,27 @@ class Entries:
         """The plan's decision for a new entry, or KEEP (counted) where it cannot be carried out."""
         if step.program is None:  # no plan: to host (blocking), so the step fits any budget above the kept bytes
             return Decision.KEEP if self.residency.bytes + nbytes <= self.keep_bytes else Decision.SWAP
-        if planned is None:
-            return _fallback(step, "not in the plan's profile")
+        if planned is None:  # another code path than profiled (an attention mask of all ones that a model drops)
+            return _to_host(step, "not in the plan's profile")
         if planned.nbytes != nbytes:
             # data-dependent shapes (a mixture of experts routes other token counts every step):
             # the decision still applies, exactly; only the plan's byte counts are off
             step.stats.resized += 1
             step.stats.resized_bytes += nbytes - planned.nbytes
+            if nbytes > planned.nbytes and planned.decision is Decision.KEEP and step.program.guarded:
+                step.stats.fallback("larger than its derived size: swapped")
+                return Decision.SWAP
         if planned.decision is Decision.RECOMPUTE and writer is None:
-            return _fallback(step, "recompute of a tensor its layer call did not make")
+            return _to_host(step, "recompute of a tensor its layer call did not make")
         if planned.decision is Decision.RECOMPUTE and writer.op != planned.writer:
             # same name, same size, made by another op of the call: the layer took another code path
             # than when profiled (data-dependent control flow; e.g. an attention mask of all ones that
             # a model drops), and the plan's replay would stop before the op that makes it now
-            return _fallback(step, "recompute of a tensor its layer call made with other ops than profiled")
+            return _to_host(step, "recompute of a tensor its layer call made with other ops than profiled")
         if planned.decision is Decision.RECOMPUTE and writer.call.done:
             # saved again after autograd let go of its earlier saves, and after its layer call's
             # replay was dropped (nothing of the call was left to regenerate)
-            return _fallback(step, "recompute of a tensor saved again after its layer call's replay was dropped")
+            return _to_host(step, "recompute of a tensor saved again after its layer call's replay was dropped")
         return planned.decision
 
     def _place(self, step: Step, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage) -> None:

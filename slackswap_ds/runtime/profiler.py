@@ -117,7 +117,7 @@ def build_profile(tracer: StepTracer, name: str, arguments: dict[str, list[str]]
     for s in saves:
         producers, deps = regen.of(s)
         activations.append(Activation(s.key, tracer.storages[s.sid].nbytes, tuple(sorted(users[s.key])),
-                                      producers, deps))
+                                      producers, deps, s.shape))
     meta = {"source": "measured", "layers": str(len({o.region for o in ops if not is_gap(o.region)}))}
     if peak_bytes is not None:
         meta["profiled_peak_bytes"] = str(peak_bytes)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..derive import derived
 from ..plan import Decision, Kind, Schedule
 from ..profile import Activation, StepProfile
 
@@ -38,6 +39,9 @@ class Program:
     def __init__(self, schedule: Schedule, profile: StepProfile):
         plan = schedule.plan
         self.plan, self.profile, self.blocking = plan, profile, plan.blocking
+        # a derived profile's sizes are predictions (derive.py): a tensor larger than derived is
+        # swapped rather than kept, so that the budget holds while the step checks them
+        self.guarded = derived(profile)
         ops = profile.ops
         op_index = {o.key: i for i, o in enumerate(ops)}
         self.n_ops = len(ops)

@@ -31,6 +31,7 @@ class StepStats:
     resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway
     resized_bytes: int = 0  # their bytes minus the profile's
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
+    sizes: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # under a derived plan: key -> (shape, bytes)
     verified: bool | None = None  # this step checked the plan's recomputes: True = all equal
     demoted: dict[str, str] = field(default_factory=dict)  # key -> why it failed verification
 

@@ -69,6 +69,7 @@ class TracedSave:
     region: str
     sid: int
     ops_before: int  # ops traced when it was first packed
+    shape: tuple[int, ...] = ()  # the tensor's, as first packed
     users: set[int] = field(default_factory=set)  # ops whose backward unpacked it
 
 
@@ -114,7 +115,7 @@ class StepTracer(TorchDispatchMode):
     def saved(self, key: str, t: torch.Tensor) -> None:
         if self.closed:
             return
-        save = TracedSave(key, self.region(), self._sid_of(t), len(self.ops))
+        save = TracedSave(key, self.region(), self._sid_of(t), len(self.ops), tuple(t.shape))
         self.saves.append(save)
         self._save_of[key] = save
 

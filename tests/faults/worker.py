@@ -8,8 +8,11 @@ Scenarios (the faulty rank in the name):
     stop0-plan    rank 0 stops (SIGSTOP) once it has planned, before it sends its plan
     stop3-agree   rank 3 stops when agreement begins
     kill2-facts   rank 2 dies (os._exit) when the node facts exchange begins
-    shape3        rank 3 profiles a batch of another sequence length than the others
+    shape3        rank 3 profiles a batch of another sequence length than the others (no fault: each
+                  rank plans its own shapes)
     newshape23    after the first plan, ranks 2 and 3 get a new sequence length, ranks 0 and 1 do not
+                  (no fault: ranks 2 and 3 plan alone, nobody waits)
+    forward3      rank 3's model runs another forward (SiLU for GELU) on the same shapes
     sync-mpi      "sync": "mpi" in a job that MPI did not launch
     ok            no fault (the stress of many rounds is in tests/faults/stress.py)
 
@@ -34,13 +37,15 @@ from slackswap_ds import coordination, plans  # noqa: E402
 
 
 class Block(torch.nn.Module):
+    act = staticmethod(torch.nn.functional.gelu)  # forward3: SiLU on rank 3
+
     def __init__(self, width: int):
         super().__init__()
         self.up, self.down = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width)
         self.drop = torch.nn.Dropout(0.1)
 
     def forward(self, x):
-        return x + self.drop(self.down(torch.nn.functional.gelu(self.up(x))))
+        return x + self.drop(self.down(self.act(self.up(x))))
 
 
 class Tiny(torch.nn.Module):
@@ -70,6 +75,8 @@ def main(scenario: str, timeout_s: float) -> None:
         fault_before(plans, "agree", stop_here)
     if scenario == "kill2-facts" and rank == 2:
         fault_before(coordination, "exchange", lambda: os._exit(1))  # the node facts
+    if scenario == "forward3" and rank == 3:
+        Block.act = staticmethod(torch.nn.functional.silu)
     seq = 8
     for step in range(1, 5):
         if step == 2 or (scenario == "newshape23" and step == 3):

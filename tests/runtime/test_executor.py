@@ -192,7 +192,7 @@ def test_steps_the_profile_did_not_see_stay_exact_and_say_so():
         return loss
 
     assert_exact(run(model, more, ids, ex), run(model, more, ids))
-    assert ex.stats.last_step.fallbacks["not in the plan's profile: kept"] > 0
+    assert ex.stats.last_step.fallbacks["not in the plan's profile: swapped"] > 0
 
 
 def test_plan_for_another_profile_is_refused():
