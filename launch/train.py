@@ -32,6 +32,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--losses", help="write the per-step losses (rank 0) to this JSON file")
+    ap.add_argument("--params", help="write a sha256 of the final parameters (rank 0; gathered under ZeRO-3) here")
     ap = deepspeed.add_config_arguments(ap)
     return ap.parse_args(argv)
 
@@ -49,6 +50,20 @@ def build_model(args) -> torch.nn.Module:
                                    max_position_embeddings=args.seq, attention_dropout=0.1,
                                    bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return transformers.LlamaForCausalLM(cfg)
+
+
+def parameters_digest(model: torch.nn.Module) -> str:
+    """sha256 over every parameter's bytes, in order (ZeRO-3's partitions gathered first)."""
+    import hashlib
+
+    import deepspeed
+
+    params = list(model.parameters())
+    digest = hashlib.sha256()
+    with deepspeed.zero.GatheredParameters(params):
+        for p in params:
+            digest.update(p.detach().cpu().float().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def main(argv=None) -> int:
@@ -93,6 +108,11 @@ def main(argv=None) -> int:
     if rank == 0 and args.losses:
         with open(args.losses, "w") as f:
             json.dump(losses, f)
+    if args.params:
+        digest = parameters_digest(model)  # (every rank: ZeRO-3 gathers the partitions)
+        if rank == 0:
+            with open(args.params, "w") as f:
+                f.write(digest)
     # leave the process group before the interpreter exits: a communication thread still running
     # during finalization aborts the process ("terminate called without an active exception")
     torch.distributed.barrier()

@@ -208,6 +208,13 @@ def zero_offload_pinned_bytes(engine) -> int | None:
     return params // max(1, int(getattr(engine, "dp_world_size", 1))) * PINNED_OPTIMIZER_BYTES_PER_PARAM
 
 
+def partitions_parameters(engine) -> bool:
+    """ZeRO stage 3: parameters are partitioned and gathered by hooks around each module's forward
+    and backward (collectives of the data-parallel group)."""
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return stage is not None and stage() == 3
+
+
 def offloads_parameters(engine) -> bool:
     """ZeRO-Infinity parameter offload (`offload_param`) is on."""
     return getattr(engine, "zero_offload_param", lambda: None)() is not None
@@ -215,5 +222,6 @@ def offloads_parameters(engine) -> bool:
 
 __all__ = ["MARK", "checkpointing_set_aside", "config_given", "hook_forward_backward", "hook_pipeline",
            "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
-           "micro_batch_inputs", "offloads_parameters", "original_initialize", "remember_original",
+           "micro_batch_inputs", "offloads_parameters", "original_initialize", "partitions_parameters",
+           "remember_original",
            "route_initialize", "stage_of", "stage_ranks", "unroute_initialize", "zero_offload_pinned_bytes"]

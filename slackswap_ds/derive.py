@@ -14,8 +14,8 @@ one (hidden states linear in the length, attention scores quadratic). So:
   (the largest input's elements) for an op that saves nothing.
 
 The derived profile is planned like a measured one and carries `meta["source"] = "derived"`, so
-that its executor swaps rather than keeps a tensor that turns out larger than derived, and
-measures every saved tensor's size. The engine checks the first step run under it: where a
+that its executor sends a tensor that turns out larger than derived to host rather than keep it
+or regenerate it in backward, and measures every saved tensor's size. The engine checks the first step run under it: where a
 saved tensor had another size (a dim that is s - 1, or b * s), `Deriver.learn` fits that dim to
 the two measurements, and the shape is derived again, exactly; where the step saved tensors the
 base never did, the shape is profiled after all.

@@ -6,6 +6,8 @@ both use to turn a measured profile into a running executor:
     within_budget   the configured planner's plan for `holds` micro-batches at once; if it finds
                     none within the budget, the fastest (simulated) of the fallbacks that does,
                     with a warning; if none does, BudgetInfeasibleError with every reason
+    plannable       the profile planners see: under ZeRO-3 without recompute (a replay would re-run
+                    ZeRO-3's parameter gathers, collectives, on one rank alone)
     fit_to_device   on a device without streams (DeepSpeed's CPU accelerator) copies are
                     synchronous: prefetches timed for the planning hardware are retimed if they
                     would push the peak over the budget there
@@ -29,7 +31,7 @@ from . import planfile
 from .agreement import Channel, agree
 from .config import SlackSwapConfig
 from .coordination import Coordinator
-from .deepspeed_api import offloads_parameters, zero_offload_pinned_bytes
+from .deepspeed_api import offloads_parameters, partitions_parameters, zero_offload_pinned_bytes
 from .errors import BudgetInfeasibleError, PlanError
 from .hardware import Hardware
 from .logs import EVERY_RANK, log
@@ -68,9 +70,10 @@ class PlanMaker:
     """Makes, agrees and installs one rank's plans (see the module docstring)."""
 
     def __init__(self, cfg: SlackSwapConfig, hw: Hardware, module: nn.Module, coordinator: Coordinator,
-                 offload_pinned_bytes: int | None = None):
+                 offload_pinned_bytes: int | None = None, recompute: bool = True):
         self.cfg, self.hw, self.module, self.coordinator = cfg, hw, module, coordinator
         self.offload_pinned_bytes = offload_pinned_bytes  # ZeRO-Offload's pinned host bytes per rank (None: off)
+        self.recompute = recompute  # plans may recompute (not under ZeRO-3)
         self.holds = 1  # micro-batches whose saved tensors are held at once (a pipeline stage's: stages.py)
         self.pool: HostPool | None = None  # one HostPool for every shape's executor
 
@@ -83,7 +86,18 @@ class PlanMaker:
             log.warning("slackswap: ZeRO-Infinity parameter offload (offload_param) moves every layer's parameters "
                         "over the host link in forward and backward; plans do not account for that traffic yet, "
                         "so prefetches may stall (slower steps; the gradients are unaffected)")
-        return cls(cfg, hw, engine.module, Coordinator(cfg, hw), zero_offload_pinned_bytes(engine))
+        recompute = not partitions_parameters(engine)
+        if not recompute:
+            log.info("slackswap: ZeRO-3 gathers each layer's parameters in hooks around its forward and backward "
+                     "(collectives of the data-parallel group); a replay would gather them again on one rank "
+                     "alone, so plans keep or swap saved tensors here, never recompute them")
+        return cls(cfg, hw, engine.module, Coordinator(cfg, hw), zero_offload_pinned_bytes(engine), recompute)
+
+    def plannable(self, profile: StepProfile) -> StepProfile:
+        """`profile` as planners may plan it: without recompute where plans may not recompute."""
+        if self.recompute:
+            return profile
+        return profile.without_recompute(a.key for a in profile.activations if a.recomputable)
 
     # ---- making a plan ---------------------------------------------------------------------------
     def within_budget(self, profile: StepProfile, budget: int, planner: str, share: Share | None = None) -> Planned:
@@ -127,7 +141,7 @@ class PlanMaker:
         """Steps 1-3 of coordination.py for `local` (this rank's profile of shape `key`): node facts
         with every rank of the job, the plan made by `channel`'s rank 0 (the lead of `peers`), and
         its agreement over `channel`."""
-        coordinator = self.coordinator
+        coordinator, local = self.coordinator, self.plannable(local)
         if not coordinator.exchange_facts(local, budget, describe(key), self.holds, self.offload_pinned_bytes, peers):
             return self.plan_locally(local, budget, key)
         plan = planned = None
@@ -141,7 +155,7 @@ class PlanMaker:
         """This rank's own plan for `local` (of input shapes `key`), with its own share: no other
         rank is asked or waited for (the shares were agreed at the job's first plan). Rank 0 keeps
         its plans in plan_file too, unless not `use_plan_file` (a derived profile's, unchecked)."""
-        share = self.coordinator.shares.own
+        share, local = self.coordinator.shares.own, self.plannable(local)
         planned = self._planned(local, budget, key, share, use_plan_file and self.coordinator.job_channel().rank == 0)
         return Agreed(local, planned.plan, planned, share)
 

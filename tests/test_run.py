@@ -20,10 +20,11 @@ pytest.importorskip("transformers")
 SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g-pcie4", "log_every": 1}
 
 
-def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool, n: int = 2) -> tuple[list[float], str]:
+def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool, n: int = 2,
+           planner: str = "slackswap") -> tuple[list[float], str]:
     """tests/adoption/<script>.py through `python -m slackswap_ds.run` under a launcher, on `n` ranks:
     its losses and output."""
-    config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled}}
+    config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled, "planner": planner}}
     name = f"{script}.{launcher}.{n}.{'on' if enabled else 'off'}"
     cfg, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
     cfg.write_text(json.dumps(config))
@@ -88,16 +89,20 @@ def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_ru
     assert warm_up <= budget and len(reports) == 4 and all(peak <= b == budget for peak, b in reports), reports
 
 
-@pytest.mark.parametrize("n", [2, 4])
-def test_every_rank_on_its_own_lengths_every_step_trains_exactly_within_budget(tmp_path, n):
+@pytest.mark.parametrize("n, stage, planner", [(2, 0, "slackswap"), (4, 0, "slackswap"), (2, 2, "full-recompute"),
+                                               (2, 3, "slackswap")])
+def test_every_rank_on_its_own_lengths_every_step_trains_exactly_within_budget(tmp_path, n, stage, planner):
     """HF Trainer with DataCollatorWithPadding (tests/adoption/hf_padding.py): each batch padded to its
     own longest sequence, so the ranks' shapes differ at almost every step. 30 steps: losses and final
     parameters equal to the disabled run; on every rank every step within the budget of its plan (the
     warm-up and profiled ones within the least of them), one or two profiled steps for many distinct
-    lengths (the others' plans derived), and no rank waited for another's planning."""
+    lengths (the others' plans derived), and no rank waited for another's planning. Under ZeRO-2 with
+    every layer recomputed, and under ZeRO-3 (its plans keep or swap: no replay may gather parameters
+    on one rank alone)."""
     runs = {}
+    config = {**HF, "zero_optimization": {"stage": stage}}
     for enabled in (True, False):
-        losses, out = launch(tmp_path, "deepspeed", "hf_padding", HF, enabled, n=n)
+        losses, out = launch(tmp_path, "deepspeed", "hf_padding", config, enabled, n=n, planner=planner)
         name = tmp_path / f"hf_padding.deepspeed.{n}.{'on' if enabled else 'off'}.losses.json"
         ranks = [json.loads(Path(f"{name}.rank{r}").read_text()) for r in range(n)]
         runs[enabled] = losses, out, ranks
@@ -113,6 +118,10 @@ def test_every_rank_on_its_own_lengths_every_step_trains_exactly_within_budget(t
         assert all(peak <= (b if b is not None else min(budgets)) for peak, b in steps), (r, steps)
         assert len(rank["shapes"]) >= 12 and 1 <= rank["profiled"] <= 2, (r, rank)
         assert rank["derived"] >= len(rank["shapes"]) - rank["profiled"], (r, rank)
+    if stage == 3:
+        assert "never recompute them" in out_on
+    if planner == "full-recompute":
+        assert re.search(r"recompute [1-9][\d,]* B", out_on)
 
 
 # ---- ss.install() itself, in process -------------------------------------------------------------

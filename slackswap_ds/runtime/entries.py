@@ -112,9 +112,10 @@ class Entries:
             # the decision still applies, exactly; only the plan's byte counts are off
             step.stats.resized += 1
             step.stats.resized_bytes += nbytes - planned.nbytes
-            if nbytes > planned.nbytes and planned.decision is Decision.KEEP and step.program.guarded:
-                step.stats.fallback("larger than its derived size: swapped")
-                return Decision.SWAP
+            if nbytes > planned.nbytes and planned.decision is not Decision.SWAP and step.program.guarded:
+                # a derived plan's prediction fell short: kept or regenerated in backward, the tensor
+                # could push the step over its budget; on the host it cannot
+                return _to_host(step, "larger than its derived size")
         if planned.decision is Decision.RECOMPUTE and writer is None:
             return _to_host(step, "recompute of a tensor its layer call did not make")
         if planned.decision is Decision.RECOMPUTE and writer.op != planned.writer:

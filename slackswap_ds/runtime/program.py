@@ -39,8 +39,8 @@ class Program:
     def __init__(self, schedule: Schedule, profile: StepProfile):
         plan = schedule.plan
         self.plan, self.profile, self.blocking = plan, profile, plan.blocking
-        # a derived profile's sizes are predictions (derive.py): a tensor larger than derived is
-        # swapped rather than kept, so that the budget holds while the step checks them
+        # a derived profile's sizes are predictions (derive.py): a tensor larger than derived goes
+        # to host rather than stay or be regenerated, so that the budget holds while the step checks them
         self.guarded = derived(profile)
         ops = profile.ops
         op_index = {o.key: i for i, o in enumerate(ops)}
