@@ -113,8 +113,10 @@ class SlackSwapRuntime:
     # ---- per step ----------------------------------------------------------------------------
     def _before_forward(self, args: tuple, kwargs: dict) -> dict:
         kwargs = self._bucketed(args, kwargs)
-        if self.active is not None or not torch.is_grad_enabled() or not self.module.training:
-            return kwargs  # evaluation, or a second forward in the same step: not ours to manage
+        if not torch.is_grad_enabled() or not self.module.training:
+            return kwargs  # evaluation: not ours to manage
+        if self.active is not None and not self._end_abandoned_step():
+            return kwargs  # a second forward in the same step
         self.steps += 1
         key = shape_key(args, kwargs)
         run = Run.SHELTER if self.steps <= self.cfg.profile_steps else self.shapes.runner_for(key, self.plans.pool)
@@ -135,6 +137,31 @@ class SlackSwapRuntime:
         # (checkpoint calls inside the model run inline under both: see runtime/takeover.py)
         self.active.__enter__()
         return kwargs
+
+    def _end_abandoned_step(self) -> bool:
+        """If the running step's forward had no backward (its graph let go: "skip this batch"), end
+        it here, so that this forward starts a step of its own under its own shapes' plan. Whether
+        it ended. A profiled step cannot tell (the tracer keeps its graph's nodes): its first second
+        forward ends it unprofiled, and its shapes are profiled again; if the next profile of those
+        shapes sees a second forward too, the model's step has two (R-Drop), profiled as one."""
+        context, state = self.active, self.shapes.get(self.active_key) if self.active_key else None
+        if isinstance(context, ProfileSession):
+            if state is None or state.two_forwards:
+                return False
+            state.two_forwards = True
+            executor = context.executor
+        else:
+            executor = context
+            if not executor.abandoned():
+                return False
+        self.say_once("abandoned", logging.INFO, "slackswap: a training forward had no backward (its graph was let "
+                      "go, or another forward joins it): its step ended there, and the next forward is a step of its "
+                      "own%s", " (the step was being profiled: these shapes are profiled again)"
+                      if isinstance(context, ProfileSession) else "")
+        self.active = self.active_key = None
+        context.__exit__(None, None, None)
+        self.last_stats = executor.stats.last_step
+        return True
 
     def _say_profiling(self, key: ShapeKey) -> None:
         if self.coordinator.shares is None:  # the job's first plan: every rank profiles, rank 0 says so

@@ -72,6 +72,7 @@ class ShapeState:
     checked: bool = False  # a step has run under its plan (a derived plan's sizes were checked then)
     refitted: bool = False  # derived again after its first step's sizes fitted the dims (derive.Deriver.learn)
     shelter: bool = False  # no plan could be made for it on this rank: its steps run in the shelter
+    two_forwards: bool = False  # a profiled step of it saw a second forward before backward (engine.py)
 
 
 class Run(enum.Enum):

@@ -371,6 +371,36 @@ def test_every_step_from_the_first_is_within_the_budget(caplog):
     assert sum("steps of new shapes run in the shelter" in m for m in messages) == 1
 
 
+def test_a_forward_without_backward_does_not_change_the_budget_or_the_next_step(caplog):
+    """"Skip this batch" under the engine: a training forward whose loss is dropped, at the profiled
+    step and at a planned one. The profile is of a whole step (its budget half the real keep-all,
+    not of two forwards), and the step after a dropped forward runs its plan within the budget
+    (it used to be a second forward of the same step, 3.3x over)."""
+    import logging
+
+    import torch
+
+    model = _gpt2()
+    engine = _EngineShim(model)
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1}}))
+    runtime.attach()
+    ids = torch.randint(1, 128, (2, 16))
+    peaks = []
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        for backward in (True, False, True, True, False, True, True):  # warm-up, dropped while profiling, ...
+            out = engine.forward(input_ids=ids, labels=ids, use_cache=False)
+            if backward:
+                engine.backward(out.loss)
+                peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan))
+            del out
+    (state,) = runtime.shapes.values()
+    assert state.plan.budget_bytes == state.profile.total_bytes // 2 and runtime.profiled_steps == 2
+    planned = [(peak, plan) for peak, plan in peaks if plan is not None]
+    assert len(planned) == 3 and all(peak <= plan.budget_bytes for peak, plan in planned), planned
+    assert runtime.last_stats.fallbacks == {}
+    assert sum("had no backward" in r.getMessage() for r in caplog.records) == 1
+
+
 def _full_recompute_job(layer: type, **config):
     """An in-process runtime over 8 `layer`s (each maps 32 features to 32) planned by full recompute
     at 80% of its keep-all peak (the budget this small model needs for it); its engine and runtime."""

@@ -150,12 +150,9 @@ class Executor:
     def _setup(self, model: nn.Module, pool: HostPool | None, device: Device | None, *, record: bool = False,
                verify: bool = True, replan: Replan | None = None, takeover: bool = True,
                observer: Observer | None = None, keep_bytes: int = 0) -> None:
-        self.model = model
-        self.record = record  # keep a measured timeline of each step (stats.last_timeline)
-        self.takeover = takeover
-        self.observer = observer
-        self.layers = find_layers(model)
-        self.regions = RegionTracker()
+        self.model, self.record = model, record  # record: a measured timeline of each step (stats.last_timeline)
+        self.takeover, self.observer = takeover, observer
+        self.layers, self.regions = find_layers(model), RegionTracker()
         self.call_arguments: dict[str, list[str]] = {}  # without a plan: saved tensors each layer call takes
         self._lock = threading.RLock()
         released: collections.deque[Entry] = collections.deque()  # entries whose holders died
@@ -166,8 +163,7 @@ class Executor:
         self._entries = Entries(residency, swaps, verifier, self._calls, released, keep_bytes)
         self._steps = Steps(self._entries, swaps, verifier, residency, verify=verify,
                             opened=self._step_opened, closed=self._step_closed)
-        self.stats = self._steps.stats
-        self._released = released
+        self.stats, self._released = self._steps.stats, released
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._stack: contextlib.ExitStack | None = None
@@ -180,17 +176,20 @@ class Executor:
     # ---- what it runs -------------------------------------------------------------------------
     @property
     def plan(self) -> Plan | None:
-        program = self._steps.program
-        return program.plan if program else None
+        return self._steps.program.plan if self._steps.program else None
 
     @property
     def profile(self) -> StepProfile | None:
-        program = self._steps.program
-        return program.profile if program else None
+        return self._steps.program.profile if self._steps.program else None
 
     @property
     def pool(self) -> HostPool:
         return self._swaps.pool
+
+    def abandoned(self) -> bool:
+        """The step running now is a forward whose graph autograd let go of before any backward (steps.py)."""
+        with self._lock:
+            return self._steps.abandoned()
 
     def verify_again(self) -> bool:
         """Check the plan's recomputes again on the next step (steps.py); whether it will."""
@@ -313,6 +312,8 @@ class Executor:
             self._eval_depth += 1
             return
         with self._lock:
+            if self._steps.abandoned():
+                self._steps.leave()  # the last forward had no backward: its step is over
             self._steps.forward()
 
     def _model_returned(self, module, args, output):

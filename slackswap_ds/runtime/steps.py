@@ -3,7 +3,8 @@ closed step leaves behind.
 
 A step is the forwards since the last backward and the backward that follows them: a forward
 after a backward opens a new one, so several forwards before one backward (gradient
-accumulation, a second forward) are one step. Each step runs under the Program current when it
+accumulation, a second forward) are one step. A forward whose graph autograd let go of before
+any backward (its loss dropped) ends its step: the model's next forward opens a new one. Each step runs under the Program current when it
 opened; the first step under a plan that recomputes verifies it (verify.py).
 
 Micro-batches. Under 1F1B a pipeline stage runs the forwards of several micro-batches before the
@@ -24,6 +25,7 @@ per kind of fallback. The caller holds the executor's lock around every method h
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import Callable, Hashable
 
@@ -68,6 +70,20 @@ class Steps:
         here); whether it will (False: nothing is recomputed, or verification is off)."""
         self._verify_next = self.verify and self.program is not None and bool(self.program.rerun)
         return self._verify_next
+
+    def abandoned(self) -> bool:
+        """The current step saved tensors in forward and autograd has let go of every one before
+        any backward (a training forward whose loss was dropped: "skip this batch"). A forward
+        now is the next step's, not a second forward of this one (steps.py's module docstring)."""
+        step = self.current
+        if step is None or step.backward or not step.by_storage or step in self._micro_batches.values():
+            return False
+        self.entries.drain()
+        # what still holds an entry may be only this executor: a lingering entry's own hold
+        # (entries.py), a recorded layer call's pins on its arguments (calls.py)
+        ours = collections.Counter(id(e) for e in step.lingering)
+        ours.update(id(e) for call in step.calls.values() for e in call.pins)
+        return all(e.holders <= ours[id(e)] for e in step.by_storage.values())
 
     def forward(self) -> Step:
         """The step a forward runs in: the current one, or a new one after a backward."""
