@@ -15,12 +15,15 @@ stage i holds the saved tensors of k = min(stages - i, micro-batches) micro-batc
                 under a shelter executor that sends its saved tensors to host, so the batch fits any
                 budget. The most micro-batches open at once is counted: that is k.
     planning    the budget is the config's of the stage's keep-all peak, k x one micro-batch's saved
-                bytes. Node facts go to every rank of the job (a node's link and pool are shared by
-                its ranks whatever their stage); the stage's first rank plans for k micro-batches in
-                flight (the planners' `holds`) with the tightest share of its stage's ranks, and the
-                stage agrees on it over a channel of its own ranks. Then every rank tells every rank
-                its stage and plan digest, so a rank of any stage that died or is stuck is named by
-                every rank within sync_timeout_s, and replicas holding another plan are named too.
+                bytes. At the job's first plan, node facts go to every rank of the job (a node's link
+                and pool are shared by its ranks whatever their stage); where the stage's ranks are on
+                the same shapes, its first rank plans for k micro-batches in flight (the planners'
+                `holds`) with the tightest share of its stage's ranks, and the stage agrees on it over
+                a channel of its own ranks (where their shapes differ, `PipelineModule(dynamic_shape=
+                True)` fed each replica its own lengths, each plans its own). Then every rank tells
+                every rank its stage and plan digest, so a rank of any stage that died or is stuck is
+                named by every rank within sync_timeout_s, and replicas meant to hold one plan but
+                holding another are named too. Later shapes are planned by each rank alone.
     later       every micro-batch runs under its stage's executor; the measured peak counts every
                 micro-batch in flight.
 """
@@ -36,6 +39,7 @@ from .agreement import MARGIN_S, AgreementError, Channel, exchange, give_up
 from .config import SlackSwapConfig
 from .deepspeed_api import (checkpointing_set_aside, hook_pipeline, is_train_schedule, micro_batch_inputs,
                             stage_of, stage_ranks)
+from .errors import SlackSwapError
 from .logs import EVERY_RANK, SayOnce, job_rank, log
 from .plan import Plan
 from .plans import PlanMaker, plan_summary
@@ -206,19 +210,24 @@ class StageRuntime:
     def _plan_stage(self, state: ShapeState, local: StepProfile, key: ShapeKey, holds: int) -> None:
         self.plans.holds = holds
         channel = self.coordinator.job_channel()
+        budget = self.cfg.budget.of(holds * local.total_bytes)  # of the stage's keep-all peak
+        if self.coordinator.shares is not None:  # agreed at the job's first plan: this rank plans alone
+            self._plan_alone(state, local, key, budget)
+            return
         if self.group is None:
             self.group = self.coordinator.group_channel(self.members, f"stage{self.stage}", self.group_communicator)
-        budget = self.cfg.budget.of(holds * local.total_bytes)  # of the stage's keep-all peak
         try:
             agreed = self.plans.agree(local, budget, key, self.group, peers=self.members, use_plan_file=False)
         except AgreementError as e:
             give_up(channel, str(e))  # the other stages hear it now, not at their deadline
             raise
-        self._check_stages(channel, agreed.plan.digest)
+        self._check_stages(channel, agreed.plan.digest, agreed.ranks == self.group.world)
         self.plans.install(state, agreed)
         self.active_plan, self.last_stats = None, None
         plan, profile = agreed.plan, agreed.profile
-        if self.group.rank == 0:  # one line per stage
+        if agreed.ranks == 1 and self.group.world > 1:
+            self._say_own_plan(state, key, holds)
+        elif self.group.rank == 0:  # one line per stage
             log.info("slackswap stage %d (ranks %s): %d micro-batch(es) in flight; budget %s B of %s B keep-all "
                      "(%d x %s B); per micro-batch %s; planner %s on %s predicts %.1f%% of ideal throughput and a "
                      "peak of %s B; plan %s agreed over %s by %d ranks", self.stage, self.members, holds,
@@ -230,18 +239,42 @@ class StageRuntime:
             log.info("slackswap: per-stage plans agreed by %d ranks: %s", channel.world,
                      "; ".join(f"stage {s} {d[:12]}" for s, d in sorted(self.stage_plans.items())))
 
-    def _check_stages(self, channel: Channel, digest: str) -> None:
+    def _plan_alone(self, state: ShapeState, local: StepProfile, key: ShapeKey, budget: int) -> None:
+        """A later shape of this rank's: planned with its own share, no other rank asked or waited
+        for; if no plan keeps the budget, its micro-batches run in the shelter (logged)."""
+        try:
+            agreed = self.plans.plan_locally(local, budget, key, use_plan_file=False)
+        except SlackSwapError as e:
+            state.shelter = True
+            log.warning("slackswap stage %d rank %d: no plan for input shapes %s (%s: %s); their micro-batches run "
+                        "in the shelter (every saved tensor to host)", self.stage, job_rank(), shapes_of(key),
+                        type(e).__name__, e, extra=EVERY_RANK)
+            return
+        self.plans.install(state, agreed)
+        self.active_plan, self.last_stats = None, None
+        self._say_own_plan(state, key, self.holds)
+
+    def _say_own_plan(self, state: ShapeState, key: ShapeKey, holds: int) -> None:
+        plan = state.plan
+        log.info("slackswap stage %d rank %d: input shapes %s: plan %s of this rank's own (%d micro-batch(es) in "
+                 "flight); budget %s B; %s; predicts %.1f%% of ideal throughput", self.stage, job_rank(),
+                 shapes_of(key), plan.digest[:12], holds, f"{plan.budget_bytes:,}", plan_summary(plan, state.profile),
+                 100 * state.prediction.throughput, extra=EVERY_RANK)
+
+    def _check_stages(self, channel: Channel, digest: str, shared: bool) -> None:
         """Every rank's stage and plan digest on every rank (the job-wide round: names any rank of
-        any stage that did not get here in time); replicas of one stage must hold one plan."""
+        any stage that did not get here in time); replicas of one stage that agreed one plan must
+        hold it (`shared`: this rank's plan is its stage's; not where the replicas' shapes differ)."""
         timeout = self.cfg.sync_timeout_s
         # a stage still agreeing may take its own sync_timeout_s first (its first rank then names
         # the culprit and shouts): the job-wide round waits that out before naming anyone
-        texts = exchange(channel, "stageplans", json.dumps([self.stage, digest]), timeout, "stage and plan digest",
-                         grace_s=timeout + MARGIN_S)
+        texts = exchange(channel, "stageplans", json.dumps([self.stage, digest, shared]), timeout,
+                         "stage and plan digest", grace_s=timeout + MARGIN_S)
         by_stage: dict[int, dict[str, list[int]]] = {}
         for rank, text in enumerate(texts):
-            stage, theirs = json.loads(text)
-            by_stage.setdefault(stage, {}).setdefault(theirs, []).append(rank)
+            stage, theirs, one_plan = json.loads(text)
+            if one_plan:  # replicas that agreed one plan must hold it (a rank's own plan is its own)
+                by_stage.setdefault(stage, {}).setdefault(theirs, []).append(rank)
         split = {s: d for s, d in by_stage.items() if len(d) > 1}
         if split:
             raise AgreementError(f"rank {channel.rank}: ranks of one stage hold different plans: " + "; ".join(

@@ -89,6 +89,25 @@ def fault_job(tmp_path: Path, transport: str, scenario: str) -> Job:
 
 
 @DEADLINES
+def test_replicas_on_their_own_lengths_plan_their_own_and_train_exactly(tmp_path):
+    """PipelineModule(dynamic_shape=True), 2 stages x 2 data-parallel, every replica its own length
+    for each batch (tests/pipe/worker.py --lengths), 12 batches: losses and parameters equal
+    the job without SlackSwap; the stages' replicas plan their own shapes (after the job's first
+    plan, alone: nobody waits), every planned batch within its plan's budget."""
+    runs = []
+    for name in ("off", "on"):
+        (tmp_path / f"{name}.json").write_text(json.dumps(config(4, name == "on")))
+        (tmp_path / name).mkdir()
+        runs.append([name, ["--config", str(tmp_path / f"{name}.json"), "--out", str(tmp_path / name), "--lengths"]])
+    logs = launch_in_turn(4, WORKER, runs, tmp_path)
+    on, off = ([json.loads((tmp_path / n / f"rank{r}.json").read_text()) for r in range(4)] for n in ("on", "off"))
+    for mine, reference in zip(on, off):
+        assert mine["losses"] == reference["losses"] and mine["parameters"] == reference["parameters"]
+        assert mine["shapes"] > 2 and mine["steps"], mine
+        assert all(peak <= budget for peak, budget in mine["steps"]), mine["steps"]
+    assert "of this rank's own" in logs["on"] and not re.search(r"did not (answer|report|send)", logs["on"])
+
+
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_a_stage_rank_stopped_at_its_stages_agreement_is_named_by_every_rank(tmp_path, transport):
     # rank 3 is stage 1's second rank: its stage's first rank (2) names it; stage 0's ranks, done

@@ -1,7 +1,10 @@
 """A deepspeed.pipe.PipelineModule (2 stages; with 4 ranks, 2 stages x 2 data-parallel) trained by
 `ss.initialize` for tests/test_stages.py: dropout on, 4 micro-batches per batch under 1F1B.
 
-    deepspeed --num_gpus N tests/pipe/worker.py --config CONFIG.json --out DIR [--fault SCENARIO]
+    deepspeed --num_gpus N tests/pipe/worker.py --config CONFIG.json --out DIR [--fault SCENARIO] [--lengths]
+
+With --lengths, the module allows dynamic shapes and every data-parallel replica draws its own
+sequence length (one of LENGTHS) for each batch, for BATCHES_OF_LENGTHS batches.
 
 (tests/launch/in_turn.py runs its main once per config in one launch.)
 
@@ -34,7 +37,7 @@ from deepspeed.pipe import PipelineModule  # noqa: E402
 import slackswap_ds as ss  # noqa: E402
 from slackswap_ds import coordination, plans  # noqa: E402
 
-WIDTH, SEQ, BATCHES = 32, 8, 4
+WIDTH, SEQ, BATCHES, BATCHES_OF_LENGTHS, LENGTHS = 32, 8, 4, 12, (6, 8, 12, 16)
 
 
 class Block(torch.nn.Module):
@@ -54,12 +57,14 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--fault", default="")
+    p.add_argument("--lengths", action="store_true")
     args = p.parse_args(argv)
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDTH, WIDTH)] + [Block() for _ in range(6)] + [torch.nn.Linear(WIDTH, WIDTH)]
-    net = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    net = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform",
+                         dynamic_shape=args.lengths)
     with open(args.config) as f:
         config = json.load(f)
     engine, *_ = ss.initialize(model=net, model_parameters=[p for p in net.parameters() if p.requires_grad],
@@ -74,16 +79,20 @@ def main(argv=None) -> int:
     def batches():
         g = torch.Generator().manual_seed(1 + engine.grid.data_parallel_id)
         while True:
-            yield torch.randn(2, SEQ, WIDTH, generator=g), torch.randn(2, SEQ, WIDTH, generator=g)
+            seq = LENGTHS[int(torch.randint(len(LENGTHS), (), generator=g))] if args.lengths else SEQ
+            for _ in range(engine.micro_batches):  # a batch of one length (the replicas' differ)
+                yield torch.randn(2, seq, WIDTH, generator=g), torch.randn(2, seq, WIDTH, generator=g)
 
-    data, losses, peak = batches(), [], 0
+    data, losses, peak, steps = batches(), [], 0, []
     runtime = getattr(engine, "slackswap", None)
-    for b in range(BATCHES):
+    for b in range(BATCHES_OF_LENGTHS if args.lengths else BATCHES):
         if b == 1 and args.fault:
             say(f"FAULT-TEST enter {rank}")
         losses.append(float(engine.train_batch(data)))
         if runtime is not None and runtime.last_stats is not None and b >= 2:
             peak = max(peak, runtime.last_stats.peak_device_bytes)
+        if runtime is not None and runtime.active_plan is not None:
+            steps.append([runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes])
     params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
     out = {"rank": rank, "stage": engine.stage_id, "losses": losses, "parameters": params}
     if runtime is not None:
@@ -91,7 +100,7 @@ def main(argv=None) -> int:
         out.update(digest=state.plan.digest, budget=state.plan.budget_bytes, peak=peak, holds=runtime.holds,
                    keep_all=runtime.holds * state.profile.total_bytes, stage_plans=runtime.stage_plans,
                    predicted_peak=state.prediction.peak_bytes, layers=int(dict(state.profile.meta)["layers"]),
-                   shelter_peak=runtime.shelter_peak)
+                   shelter_peak=runtime.shelter_peak, steps=steps, shapes=len(runtime.shapes))
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     say(f"FAULT-TEST done {rank}")
     torch.distributed.barrier()
