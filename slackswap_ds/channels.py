@@ -6,6 +6,7 @@ Neither blocks: a rank that is gone is simply never heard from, and the protocol
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import zlib
@@ -114,6 +115,51 @@ class _BoundedCalls:
         if not ok:
             raise value
         return value, True
+
+
+class StructureLedger:
+    """Each rank's profile structure per input shapes, in the torch.distributed store, compared
+    lazily: a rank that planned shapes sets its digest for them and reads the digests of the ranks
+    that did so before it; those that differ are returned for the caller to log. Nothing waits for
+    another rank: a rank that has not published yet is skipped (it compares when it publishes), and
+    every store call is bounded as StoreChannel's are (a stopped rank 0 makes the ledger silent)."""
+
+    silence_s = 2.0
+
+    def __init__(self, store=None, rank: int | None = None, world: int | None = None,
+                 prefix: str = "slackswap/structure"):
+        import torch.distributed as dist
+
+        if store is None:
+            from torch.distributed import distributed_c10d
+
+            store = distributed_c10d._get_default_store()
+        self.store, self.prefix = store, prefix
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world = dist.get_world_size() if world is None else world
+        self._calls = _BoundedCalls(self.silence_s)
+
+    def publish(self, shapes: str, structure: str) -> dict[int, str]:
+        """Set this rank's `structure` digest for input shapes `shapes`; every other rank's digest
+        for them that differs (rank -> digest), of the ranks that published before this one."""
+        key = f"{self.prefix}/{hashlib.sha256(shapes.encode()).hexdigest()[:16]}"
+
+        def theirs(r: int):
+            return self.store.get(f"{key}/{r}").decode() if self.store.check([f"{key}/{r}"]) else None
+
+        differ: dict[int, str] = {}
+        try:
+            _, answered = self._calls(lambda: self.store.set(f"{key}/{self.rank}", structure))
+            for r in range(self.world) if answered else ():
+                if r != self.rank:
+                    value, answered = self._calls(lambda r=r: theirs(r))
+                    if not answered:
+                        break
+                    if value is not None and value != structure:
+                        differ[r] = value
+        except RuntimeError:  # the store's host process is gone: nothing to compare with
+            pass
+        return differ
 
 
 class StoreChannel:

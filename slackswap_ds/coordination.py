@@ -17,7 +17,8 @@ warm-up, so every rank is there):
                    and that the plan fits; the verdict names the ranks at fault (agreement.py)
 
 Later input shapes are planned by each rank alone (plans.plan_locally): a rank on a new length
-never waits for another. Both exchanges go over MPI under MPI launchers, else over the
+never waits for another. Their profiles' structures are compared lazily (`compare_structure`):
+each rank publishes its own per shape, and the later of two ranks that differ logs it. Both exchanges go over MPI under MPI launchers, else over the
 torch.distributed store, each with a deadline (`sync_timeout_s`): a dead or stuck rank is named,
 never waited on forever. A rank that cannot go on shouts why and leaves (`give_up`).
 """
@@ -70,6 +71,7 @@ class Coordinator:
             self.mpi_node = node_layout()[0].node
         self.channel: Channel | None = None  # the job's channel, made on first use
         self.shares: Shares | None = None  # set by exchange_facts
+        self.ledger = None  # channels.StructureLedger, made on first use (compare_structure)
         log.debug("slackswap: plans agreed over %s; host uplinks from %s", self.via, self.topology.source)
 
     @property
@@ -114,6 +116,24 @@ class Coordinator:
             return MpiChannel(communicator, members=members)
         rank = self.job_channel().rank
         return StoreChannel(rank=members.index(rank), world=len(members), prefix=f"slackswap/{name}", members=members)
+
+    def compare_structure(self, shapes: str, structure: str) -> None:
+        """Publish this rank's profile structure for input shapes `shapes` and log the ranks that
+        published another one for them (channels.StructureLedger: lazily, never waiting)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return
+        if self.ledger is None:
+            from .channels import StructureLedger
+
+            self.ledger = StructureLedger()
+        differ = self.ledger.publish(shapes, structure)
+        if differ:
+            log.warning("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than "
+                        "this rank's (%s here; %s): the ranks run different models or code paths on these shapes",
+                        self.ledger.rank, shapes, sorted(differ), structure[:12],
+                        "; ".join(f"rank {r}: {d[:12]}" for r, d in sorted(differ.items())), extra=EVERY_RANK)
 
     # ---- node facts --------------------------------------------------------------------------------
     def exchange_facts(self, local: StepProfile, budget: int, shapes: str, holds: int = 1,

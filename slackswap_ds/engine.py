@@ -39,7 +39,7 @@ from .reporting import StepReports, write_trace
 from .runtime.executor import Executor
 from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
-from .shapes import Run, ShapeCache, ShapeKey, ShapeState, model_dims, shape_key, shapes_of
+from .shapes import Run, ShapeCache, ShapeKey, ShapeState, describe, model_dims, shape_key, shapes_of
 
 # `deepspeed.initialize = ss.initialize` written by hand imports this module before the assignment
 # happens: DeepSpeed's own function is kept now (deepspeed_api.py)
@@ -251,11 +251,13 @@ class SlackSwapRuntime:
                 return
             self.plans.install(state, agreed)
             self._say_own_plan(key, state, "planned from its profile")
+            self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
             return
         channel = self.coordinator.job_channel()
         agreed = self.plans.agree(local, budget, key, channel)
         record = bool(self.cfg.trace_file and channel.rank == 0)
         sim = self.plans.install(state, agreed, record=record)
+        self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
         if agreed.ranks == 1 and channel.world > 1:
             self._say_own_plan(key, state, "planned from its profile (the ranks' shapes differ)")
         else:
@@ -306,6 +308,7 @@ class SlackSwapRuntime:
         again; where that cannot explain the step, the shape is profiled on its next step. Logged."""
         unplanned = stats.fallbacks.get("not in the plan's profile: swapped", 0)
         if not (stats.resized or unplanned or stats.peak_device_bytes > state.plan.budget_bytes):
+            self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
             return True
         deriver = self.shapes.bases.get(state.derived_from)
         if deriver is not None and not (unplanned or state.refitted) and stats.resized \

@@ -82,6 +82,19 @@ def test_a_new_shape_on_some_ranks_only_is_planned_there_alone(transport):
     assert not re.search(r"slackswap rank [01]: input shapes \[\(2, 16", job.output)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_rank_that_runs_another_model_on_a_later_shape_is_logged_without_waiting(transport):
+    """Later shapes are planned by each rank alone; their structures are compared lazily: of rank 3
+    (whose profile of the new length differs) and each other rank, the later to publish logs it."""
+    job = launch(transport, "lateforward3")
+    assert_trained(job)
+    said = re.findall(r"slackswap rank (\d): input shapes \(2, 16, 32\) torch.float32: ranks \[([\d, ]+)\] profiled "
+                      r"them with another structure", job.output)
+    assert said and all(rank == "3" or others == "3" for rank, others in said), job.output[-3000:]
+    named = {r for rank, others in said for r in ([int(x) for x in others.split(", ")] if rank == "3" else [int(rank)])}
+    assert named == {0, 1, 2}, said
+
+
 def test_sync_mpi_without_an_mpi_launch_is_refused_at_once():
     job = launch("torch", "sync-mpi", n=2)
     for rank in job.ranks:

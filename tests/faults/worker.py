@@ -13,6 +13,8 @@ Scenarios (the faulty rank in the name):
     newshape23    after the first plan, ranks 2 and 3 get a new sequence length, ranks 0 and 1 do not
                   (no fault: ranks 2 and 3 plan alone, nobody waits)
     forward3      rank 3's model runs another forward (SiLU for GELU) on the same shapes
+    lateforward3  from step 3 every rank runs a new length, and rank 3 a gated GELU (no fault that
+                  stops the job: the later shape's structures are compared lazily)
     sync-mpi      "sync": "mpi" in a job that MPI did not launch
     ok            no fault (the stress of many rounds is in tests/faults/stress.py)
 
@@ -79,6 +81,10 @@ def main(scenario: str, timeout_s: float) -> None:
         Block.act = staticmethod(torch.nn.functional.silu)
     seq = 8
     for step in range(1, 5):
+        if scenario == "lateforward3" and step == 3:
+            seq = 16
+            if rank == 3:  # a gated GELU: it saves tensors the others' blocks do not
+                Block.act = staticmethod(lambda t: torch.nn.functional.gelu(t) * torch.sigmoid(t))
         if step == 2 or (scenario == "newshape23" and step == 3):
             say(f"FAULT-TEST enter {rank}")
         if scenario == "shape3" and rank == 3 and step >= 2:
