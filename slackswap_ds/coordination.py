@@ -26,6 +26,7 @@ never waited on forever. A rank that cannot go on shouts why and leaves (`give_u
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import os
 import socket
@@ -43,6 +44,9 @@ from .planners.common import Share
 from .profile import StepProfile
 
 LINGER_S = 1.0  # how long a rank that gives up stays, so that the others can say why before it exits
+# engines made in this process so far: every rank makes its engines in the same order, so the n-th
+# is the same job on every rank (several runs may share one process group, and so one store)
+_ENGINES = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class Coordinator:
         self.channel: Channel | None = None  # the job's channel, made on first use
         self.shares: Shares | None = None  # set by exchange_facts
         self.ledger = None  # channels.StructureLedger, made on first use (compare_structure)
+        self.engine_index = next(_ENGINES)  # its keys in the store are this engine's (see _ENGINES)
         log.debug("slackswap: plans agreed over %s; host uplinks from %s", self.via, self.topology.source)
 
     @property
@@ -127,7 +132,7 @@ class Coordinator:
         if self.ledger is None:
             from .channels import StructureLedger
 
-            self.ledger = StructureLedger()
+            self.ledger = StructureLedger(prefix=f"slackswap/structure/{self.engine_index}")
         differ = self.ledger.publish(shapes, structure)
         if differ:
             log.warning("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than "
