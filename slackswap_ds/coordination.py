@@ -18,9 +18,11 @@ warm-up, so every rank is there):
 
 Later input shapes are planned by each rank alone (plans.plan_locally): a rank on a new length
 never waits for another. Their profiles' structures are compared lazily (`compare_structure`):
-each rank publishes its own per shape, and the later of two ranks that differ logs it. Both exchanges go over MPI under MPI launchers, else over the
-torch.distributed store, each with a deadline (`sync_timeout_s`): a dead or stuck rank is named,
-never waited on forever. A rank that cannot go on shouts why and leaves (`give_up`).
+each rank publishes its own per shape, and the later of two ranks that differ logs it.
+
+Both exchanges go over MPI under MPI launchers, else over the torch.distributed store, each with a
+deadline (`sync_timeout_s`): a dead or stuck rank is named, never waited on forever. A rank that
+cannot go on shouts why and leaves (`give_up`).
 """
 
 from __future__ import annotations

@@ -306,7 +306,7 @@ class SlackSwapRuntime:
         (every saved tensor in it, at its derived size; the peak within the budget). Where sizes
         differed, the dims are fitted to this step's (derive.Deriver.learn) and the shape derived
         again; where that cannot explain the step, the shape is profiled on its next step. Logged."""
-        unplanned = stats.fallbacks.get("not in the plan's profile: swapped", 0)
+        unplanned = sum(1 for k in stats.sizes if k not in state.profile.by_key)  # (sizes: every save of the step)
         if not (stats.resized or unplanned or stats.peak_device_bytes > state.plan.budget_bytes):
             self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
             return True

@@ -95,9 +95,8 @@ class PlanMaker:
 
     def plannable(self, profile: StepProfile) -> StepProfile:
         """`profile` as planners may plan it: without recompute where plans may not recompute."""
-        if self.recompute:
-            return profile
-        return profile.without_recompute(a.key for a in profile.activations if a.recomputable)
+        keys = [] if self.recompute else [a.key for a in profile.activations if a.recomputable]
+        return profile.without_recompute(keys) if keys else profile  # (plannable twice is plannable once)
 
     # ---- making a plan ---------------------------------------------------------------------------
     def within_budget(self, profile: StepProfile, budget: int, planner: str, share: Share | None = None) -> Planned:
