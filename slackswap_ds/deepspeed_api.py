@@ -108,10 +108,10 @@ def initialize_without_section(ds_config, section: str, args, positional: tuple,
 
 # ---- the data-parallel engine ----------------------------------------------------------------------
 def hook_forward_backward(engine, before_forward: Callable[[tuple, dict], dict], before_backward: Callable[[], None],
-                          after_backward: Callable[[], None]) -> None:
+                          after_backward: Callable[[BaseException | None], None]) -> None:
     """Wrap this engine's `forward` and `backward` (the class's stay DeepSpeed's):
-    `before_forward(args, kwargs)` returns the keyword inputs forward gets; `after_backward()` runs
-    even when backward raises."""
+    `before_forward(args, kwargs)` returns the keyword inputs forward gets; `after_backward(error)`
+    runs after backward, also when it raises (`error`: what it raised, else None)."""
     forward, backward = engine.forward, engine.backward
 
     def slackswap_forward(*args, **kwargs):
@@ -120,9 +120,12 @@ def hook_forward_backward(engine, before_forward: Callable[[tuple, dict], dict],
     def slackswap_backward(loss, *args, **kwargs):
         before_backward()
         try:
-            return backward(loss, *args, **kwargs)
-        finally:
-            after_backward()
+            result = backward(loss, *args, **kwargs)
+        except BaseException as error:
+            after_backward(error)
+            raise
+        after_backward(None)
+        return result
 
     engine.forward = slackswap_forward
     engine.backward = slackswap_backward

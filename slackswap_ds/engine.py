@@ -37,6 +37,7 @@ from .plan import Plan
 from .plans import Agreed, PlanMaker, plan_summary
 from .reporting import StepReports, write_trace
 from .runtime.executor import Executor
+from .runtime.replay import ReplayError
 from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
 from .shapes import Run, ShapeCache, ShapeKey, ShapeState, describe, model_dims, shape_key, shapes_of
@@ -79,6 +80,7 @@ class SlackSwapRuntime:
         self.shapes = ShapeCache(cfg.max_shapes, cfg.replan)
         self.active: Executor | ProfileSession | None = None  # what the current step runs under
         self.active_key: ShapeKey | None = None  # its shape (None in the shelter)
+        self.step_shapes: ShapeKey | None = None  # the input shapes of the current (or last) training step
         self.shelter: Executor | None = None  # warm-up steps, and new shapes when re-planning is off
         self.shelter_peak = 0  # device bytes of saved tensors, the most of any step in the shelter
         self.say_once = SayOnce()
@@ -118,7 +120,7 @@ class SlackSwapRuntime:
         if self.active is not None and not self._end_abandoned_step():
             return kwargs  # a second forward in the same step
         self.steps += 1
-        key = shape_key(args, kwargs)
+        key = self.step_shapes = shape_key(args, kwargs)
         run = Run.SHELTER if self.steps <= self.cfg.profile_steps else self.shapes.runner_for(key, self.plans.pool)
         if run is Run.PROFILE and self._derived_plan(key):
             run = Run.PLANNED
@@ -199,12 +201,18 @@ class SlackSwapRuntime:
         if isinstance(self.active, ProfileSession):
             self.active.end_forward()  # profiling: the model's forward is over
 
-    def _after_backward(self) -> None:
+    def _after_backward(self, error: BaseException | None = None) -> None:
         context, key = self.active, self.active_key
         if context is None:
             return
         self.active = self.active_key = None
         context.__exit__(None, None, None)
+        if isinstance(error, ReplayError):  # a later step's replay failed: its plan is demoted already
+            log.error("slackswap rank %d: step %d cannot give exact gradients: %s. Its backward raised (stop, or "
+                      "skip this batch: the next steps keep or swap what failed). A data-parallel job stops here: "
+                      "its other ranks fail or wait in their gradient collective until the launcher ends the job", self.rank,
+                      self.steps, error, extra=EVERY_RANK)
+            return
         if key is None:  # the shelter: no plan, its saved tensors were on host
             self.last_stats, self.active_plan = context.stats.last_step, None
             self.shelter_peak = max(self.shelter_peak, self.last_stats.peak_device_bytes)

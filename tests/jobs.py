@@ -92,16 +92,42 @@ def run_launch(cmd: list[str], env: dict | None = None, timeout: float = 600) ->
     return proc.stdout
 
 
-def launch_in_turn(ranks: int, script: Path, runs: list, tmp: Path, timeout: float = 900) -> dict[str, str]:
+def launch_in_turn(ranks: int, script: Path, runs: list, tmp: Path, timeout: float = 900,
+                   unmodified: bool = False) -> dict[str, str]:
     """A training script's main() run several times in one `deepspeed --num_gpus ranks` launch
-    (tests/launch/in_turn.py; runs: [name, the script's arguments] each): each run's output by name."""
+    (tests/launch/in_turn.py; runs: [name, the script's arguments] each): each run's output by name.
+    `unmodified`: a script that never heard of SlackSwap (tests/adoption/), launched through
+    `python -m slackswap_ds.run`."""
     (tmp / "runs.json").write_text(json.dumps(runs))
-    out = run_launch(deepspeed_line(ranks, str(ROOT / "tests" / "launch" / "in_turn.py"), str(script),
+    route = ("--module", "slackswap_ds.run") if unmodified else ()
+    out = run_launch(deepspeed_line(ranks, *route, str(ROOT / "tests" / "launch" / "in_turn.py"), str(script),
                                     str(tmp / "runs.json")), timeout=timeout)
     parts = re.split(r"^=== (?:RUN (\S+)|END)$", out, flags=re.M)
     logs = dict(zip(parts[1::2], parts[2::2]))  # (the text after `=== END`, the launcher's, is None's)
     assert [name for name in logs if name] == [name for name, _ in runs], out[-4000:]
     return logs
+
+
+def assert_own_lengths_exact(losses_on: list, out_on: str, ranks_on: list[dict], losses_off: list,
+                             ranks_off: list[dict]) -> None:
+    """tests/adoption/hf_padding.py (every rank on its own lengths, 30 steps) under SlackSwap, against
+    the job without: equal losses and final parameters; on every rank every step within its budget
+    (a planned step's: its plan's, the budget fraction of the keep-all of the profile it was planned
+    from, measured or derived; a warm-up or profiled step's: the fraction of the bytes it saved),
+    one or two profiled steps for many distinct lengths (the others' plans derived); no rank waited
+    for another's planning."""
+    assert len(losses_on) == 30 and losses_on == losses_off
+    assert ranks_on[0]["parameters"] == ranks_off[0]["parameters"]
+    assert "data-parallel ranks are on different input shapes" in out_on
+    assert not re.search(r"did not (answer|report|send)|AgreementError|Traceback|ReplayError", out_on)
+    for r, rank in enumerate(ranks_on):
+        steps = rank["steps"]
+        assert len(steps) == 30 and sum(b is None for _, b, _, _ in steps) == 1 + rank["profiled"], (r, steps)
+        over = [(step, peak, budget, rank["fraction"] * saved) for step, (peak, budget, _, saved) in enumerate(steps, 1)
+                if peak > (budget if budget is not None else rank["fraction"] * saved)]
+        assert not over, (r, over, steps)
+        assert len(rank["shapes"]) >= 12 and 1 <= rank["profiled"] <= 2, (r, rank)
+        assert rank["derived"] >= len(rank["shapes"]) - rank["profiled"], (r, rank)
 
 
 # ---- jobs watched rank by rank -------------------------------------------------------------------

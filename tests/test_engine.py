@@ -502,6 +502,54 @@ def test_verify_every_checks_the_replay_contract_again(verify_every):
         assert verdicts == [None, None, True] + [None] * 6 and state.executor.stats.demotions == []
 
 
+def test_a_replay_that_fails_at_a_later_step_raises_there_and_the_next_steps_fall_back(caplog):
+    """From step 5 on, replaying a layer fails (its state changed between its forward and its
+    backward). Forward's bytes are gone, so that step's backward raises a ReplayError, said at ERROR
+    with the rank and step; its plan is demoted at once, so a loop that skips the batch goes on: the
+    re-planned plan's first step verifies (and demotes the other layers without raising), and no
+    later step raises. The failed tensors are kept or swapped from then on."""
+    import logging
+
+    import torch
+
+    from slackswap_ds.plan import Decision
+    from slackswap_ds.runtime.replay import ReplayError
+
+    state = {"backward": False}
+
+    class BreaksLater(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            if state["backward"]:
+                raise RuntimeError("state changed since forward")
+            return self.b(self.a(x).tanh()).tanh()
+
+    engine, runtime = _full_recompute_job(BreaksLater)
+    raised, verdicts = [], []
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        for step in range(1, 10):
+            loss = engine.forward(torch.randn(8, 32))
+            state["backward"] = step >= 5
+            try:
+                engine.backward(loss)
+            except ReplayError:
+                raised.append(step)
+            state["backward"] = False
+            verdicts.append(runtime.last_stats.verified)
+    (shape,) = runtime.shapes.values()
+    assert raised == [5] and verdicts[2] is True and verdicts[5] is False  # steps 3 and 6 verify
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "rank 0: step 5 cannot give exact gradients" in errors[0]
+    assert "layers.7" in errors[0] and "skip this batch" in errors[0]
+    assert [sorted({key.split(":")[0] for key in d}) for d in shape.executor.stats.demotions] == [
+        ["layers.7"], [f"layers.{i}" for i in range(7)]]
+    assert runtime.active_plan is shape.plan and Decision.RECOMPUTE not in dict(shape.plan.decisions).values()
+    assert runtime.last_stats.peak_device_bytes <= shape.plan.budget_bytes
+
+
 def test_node_topology_comes_from_the_config_else_each_rank_has_its_own_link(monkeypatch):
     import torch
 

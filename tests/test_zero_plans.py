@@ -3,14 +3,18 @@
 seeded random plans (tests/launch/train_random.py). Losses and final parameters equal the job
 without SlackSwap; every planned step within its budget, the warm-up ones too; no error. Under
 ZeRO-3 plans keep or swap, never recompute (a replay would re-run ZeRO-3's parameter gathers on
-one rank alone): a full-recompute planner falls back to one that can plan without recompute."""
+one rank alone): a full-recompute planner falls back to one that can plan without recompute.
+
+The same matrix through Hugging Face's Trainer, every rank on its own lengths every step
+(tests/adoption/hf_padding.py), is marked slow (about 6 minutes: `python -m pytest -m slow`)."""
 
 import json
 import re
 
 import pytest
 
-from jobs import ROOT, launch_in_turn
+from jobs import ROOT, assert_own_lengths_exact, launch_in_turn
+from test_run import HF, SLACKSWAP
 
 pytest.importorskip("deepspeed")
 
@@ -63,3 +67,36 @@ def test_every_plan_is_exact_and_within_budget_under_zero(zero_plans_job, stage,
             assert "using offload-all instead" in log
     elif plan in ("full", "random1", "random2"):
         assert any(recomputed), plan  # the plan recomputes (it is not only keep and swap)
+
+
+# ---- the same through the HF Trainer, every rank on its own lengths (slow) ------------------------
+@pytest.fixture(scope="module")
+def hf_zero_plans_job(tmp_path_factory) -> dict:
+    """tests/adoption/hf_padding.py (unmodified, through `python -m slackswap_ds.run`) for every
+    stage and plan, and without SlackSwap: one launch on 2 CPU ranks."""
+    tmp = tmp_path_factory.mktemp("hf_zero_plans")
+    runs = []
+    for stage in STAGES:
+        for name, slackswap in [("off", {"enabled": False}), *PLANS]:
+            run = f"{name}-z{stage}"
+            config = {**HF, "zero_optimization": {"stage": stage}, "slackswap": {**SLACKSWAP, **slackswap}}
+            (tmp / f"{run}.json").write_text(json.dumps(config))
+            runs.append([run, ["--deepspeed_config", str(tmp / f"{run}.json"), "--losses", str(tmp / f"{run}.losses")]])
+    logs = launch_in_turn(2, ROOT / "tests" / "launch" / "hf_padding_random.py", runs, tmp, timeout=1500, unmodified=True)
+    return {run: (json.loads((tmp / f"{run}.losses").read_text()),
+                  [json.loads((tmp / f"{run}.losses.rank{r}").read_text()) for r in range(2)], logs[run])
+            for run, _ in runs}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("plan", [name for name, _ in PLANS])
+def test_every_plan_is_exact_and_within_budget_under_zero_through_the_hf_trainer(hf_zero_plans_job, stage, plan):
+    losses, ranks, log = hf_zero_plans_job[f"{plan}-z{stage}"]
+    losses_off, ranks_off, _ = hf_zero_plans_job[f"off-z{stage}"]
+    assert_own_lengths_exact(losses, log, ranks, losses_off, ranks_off)
+    recomputes = re.search(r"recompute [1-9][\d,]* B", log)
+    if stage == 3:
+        assert not recomputes and "never recompute them" in log
+    elif plan in ("full", "random1", "random2"):
+        assert recomputes, plan  # the plan recomputes (it is not only keep and swap)

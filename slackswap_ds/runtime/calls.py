@@ -13,7 +13,8 @@ Schedule's RECOMPUTE at the region's first backward op) or another replay needs 
 (copied in if swapped, regenerated first if recomputed), `captured` takes a regenerated tensor
 (checked against forward's bytes on a verifying step, verify.py), `ran` counts an op that ran for
 real. A replay that fails or differs on a verifying step hands backward the originals and names
-the keys for demotion; on any other step it is a `ReplayError` (a plan's replay must not guess).
+the keys for demotion; on any other step it names them too, and raises a `ReplayError` (a plan's
+replay must not guess, and forward's bytes are gone).
 """
 
 from __future__ import annotations
@@ -131,18 +132,20 @@ class LayerCalls:
             run_replay(self, call, step.program.rerun.get(call.label, frozenset()), args, kwargs,
                        self._replay_context)
         except Exception as e:  # noqa: BLE001 - any failure of the model's code in a replay
-            if not step.verifying:
-                missing = sum(1 for t in call.targets.values() if t.storage is None and t.holders > 0)
+            why = f"replay failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            needed = [entry for entry in call.targets.values() if entry.holders > 0]
+            for entry in needed:  # demoted as the step closes (steps.py): never recomputed again
+                step.failures.setdefault(entry.key, why)
+            if not step.verifying:  # forward's bytes are gone: no exact value to hand backward
+                missing = sum(1 for t in needed if t.storage is None)
                 raise ReplayError(f"replaying layer call {call.label!r} to regenerate {missing} saved tensor(s) "
                                   f"failed: {e}. The layer is not replayable as its plan assumed (state it "
                                   f"mutates, a nondeterministic op, or another code path than when it was "
-                                  f"profiled); plan with its tensors kept or swapped") from e
-            why = f"replay failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-            for entry in call.targets.values():
-                if entry.holders > 0:
-                    step.failures.setdefault(entry.key, why)
-                    if entry.storage is None and entry.original is not None:
-                        self.verifier.restore(entry)
+                                  f"profiled): this step's gradients cannot be computed exactly, and its "
+                                  f"tensors are kept or swapped from the next step on") from e
+            for entry in needed:
+                if entry.storage is None and entry.original is not None:
+                    self.verifier.restore(entry)
         finally:
             self._replaying.pop()
             self.unpin(call)

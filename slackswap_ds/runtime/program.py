@@ -42,6 +42,10 @@ class Program:
         # a derived profile's sizes are predictions (derive.py): a tensor larger than derived goes
         # to host rather than stay or be regenerated, so that the budget holds while the step checks them
         self.guarded = derived(profile)
+        # and its budget is held at run time too: a keep or a prefetch that would take the device's
+        # saved bytes over it goes to host, or waits until backward reads the tensor (sizes off
+        # either way push a derived plan's peak past its prediction)
+        self.cap = plan.budget_bytes if self.guarded else None
         ops = profile.ops
         op_index = {o.key: i for i, o in enumerate(ops)}
         self.n_ops = len(ops)

@@ -19,8 +19,9 @@ engine asks for it every `verify_every` planned steps, because the replay contra
 the first step (a layer that reads state which changes between its forward and its backward).
 
 Closing a step releases what its backward let go, puts its counters in `stats.last_step` (and its
-timeline, if recorded, in `stats.last_timeline`), demotes what failed verification, and warns once
-per kind of fallback. The caller holds the executor's lock around every method here.
+timeline, if recorded, in `stats.last_timeline`), demotes what failed verification (or failed to
+replay on a later step, which raised: a loop that skips that batch goes on under the demoted plan),
+and warns once per kind of fallback. The caller holds the executor's lock around every method here.
 """
 
 from __future__ import annotations
@@ -154,11 +155,15 @@ class Steps:
                 self.stats.demotions.append(dict(step.failures))
             elif stats.verified is None and step.program is self.program:
                 self.verify_again()  # nothing was compared: no verdict yet, the next step checks
+        elif step.failures and step.program is self.program:  # a later replay failed (and raised):
+            self.set_program(self.verifier.demote(step.program, step.failures))  # never again
+            self.stats.demotions.append(dict(step.failures))
         for why, n in stats.fallbacks.items():
             if why not in self._warned:
                 self._warned.add(why)
-                # a derived plan's first step checks its sizes: a tensor larger than derived is expected
-                # there (derive.py), and the engine says what it did about it
-                level = logging.INFO if why.startswith("larger than its derived size") else logging.WARNING
+                # a derived plan's first step checks its sizes: a tensor larger than derived, and what
+                # the run-time budget guard then does, are expected there (derive.py, program.py), and
+                # the engine says what it did about it
+                level = logging.INFO if "derived" in why else logging.WARNING
                 log.log(level, "slackswap: %d saved tensor(s) in step %d (%s); counted in stats.fallbacks, %s once",
                         n, self.stats.steps, why, "warned" if level == logging.WARNING else "said")

@@ -128,7 +128,7 @@ class Verifier:
             profile, plan = swap_instead(program.profile, program.plan, failures)
         demoted = Program(lower(profile, plan), profile)
         reasons = sorted(set(failures.values()))
-        log.warning("slackswap: %d recomputed tensor(s) did not replay exactly on the first step under plan %s "
+        log.warning("slackswap: %d recomputed tensor(s) did not replay exactly under plan %s "
                     "(%s; e.g. %s); they are never recomputed now; re-planned: plan %s (%s)", len(failures),
                     program.plan.digest[:12], "; ".join(reasons[:3]), ", ".join(sorted(failures)[:4]),
                     plan.digest[:12], plan.planner)

@@ -16,12 +16,12 @@ import torch
 SEQ, BATCH, STEPS, VOCAB = 16, 2, 6, 128
 
 
-def parse_args():
+def parse_args(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--deepspeed_config", required=True)
     ap.add_argument("--losses", required=True, help="rank 0 writes its per-step losses here (JSON)")
     ap.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher passes it
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 def model():

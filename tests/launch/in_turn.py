@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -35,6 +36,7 @@ def main() -> None:
     p.add_argument("runs")
     p.add_argument("--local_rank", type=int, default=0)  # DeepSpeed's launcher passes it
     args = p.parse_args()
+    sys.path.insert(0, str(Path(args.script).resolve().parent))  # its own imports, as `python script.py` finds them
     spec = importlib.util.spec_from_file_location(Path(args.script).stem, args.script)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -314,3 +314,33 @@ def test_the_shelter_sends_every_saved_tensor_to_host():
     last = shelter.stats.last_step
     assert shelter.plan is None and last.kept_bytes == 0 and last.swapped_bytes > 0
     assert shelter.resident_bytes == 0
+
+
+def test_a_derived_plans_budget_is_held_at_run_time():
+    """A derived profile's sizes are predictions (derive.py), so its program holds the plan's budget
+    at run time: a keep that would take the device's saved bytes over it goes to host, a prefetch
+    that would waits until backward reads the tensor. The same plans over the measured profile run
+    as planned, over that budget. Exact either way."""
+    import dataclasses
+
+    model = tiny("gpt2")
+    ids = torch.randint(1, VOCAB, (BATCH, SEQ))
+    reference = run(model, step, ids)
+    measured = profile(model, step, ids)
+    derived = dataclasses.replace(measured, meta=(*measured.meta, ("source", "derived")))
+    budget = sum(a.bytes for a in measured.activations) // 3
+    runs = {}
+    for prof in (measured, derived):
+        for decision in (Decision.KEEP, Decision.SWAP):  # SWAP: every copy-in at the end of forward
+            plan = Plan.build(prof, {a.key: decision for a in prof.activations}, budget_bytes=budget,
+                              hardware_digest="any", planner="test")
+            ex = ss.apply(model, plan, prof, verify=False)
+            assert_exact(run(model, step, ids, ex), reference)
+            runs[prof is derived, decision] = ex.stats.last_step
+    assert runs[False, Decision.KEEP].kept_bytes > budget and runs[False, Decision.KEEP].fallbacks == {}
+    held = runs[True, Decision.KEEP]
+    assert 0 < held.kept_bytes <= budget and held.fallbacks["over its derived plan's budget if kept: swapped"] > 0
+    swapped, waited = runs[False, Decision.SWAP], runs[True, Decision.SWAP]
+    assert swapped.peak_device_bytes > budget and swapped.copy_waits == 0
+    assert waited.peak_device_bytes < swapped.peak_device_bytes and waited.copy_waits > 0
+    assert waited.fallbacks["a prefetch over its derived plan's budget: copied in when read"] > 0

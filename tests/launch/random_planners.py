@@ -1,0 +1,36 @@
+"""Planners `"random-1"` .. `"random-3"`, registered on import: seeded random keep / swap /
+recompute decisions for every saved tensor (tests/runtime/exactness.random_plan, the seed in the
+name), their budget the keep-all peak: for exactness checks of any plan under DeepSpeed
+(tests/test_zero_plans.py, through train_random.py and hf_padding_random.py)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))
+
+from exactness import random_plan  # noqa: E402
+
+from slackswap_ds import planners  # noqa: E402
+from slackswap_ds.planners.common import PRIVATE, simulated  # noqa: E402
+
+
+def plan_random(seed, profile, hw, budget_bytes, share=PRIVATE, holds=1):
+    return simulated(profile, random_plan(profile, seed), hw, share, holds)
+
+
+for _seed in (1, 2, 3):
+    planners.PLANNERS[f"random-{_seed}"] = functools.partial(plan_random, _seed)
+
+
+def script(path: Path):
+    """The training script at `path`, loaded as a module (its main(argv) run by in_turn.py)."""
+    sys.path.insert(0, str(path.parent))  # its own imports, as `python script.py` finds them
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
