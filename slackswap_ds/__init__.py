@@ -90,6 +90,10 @@ def __getattr__(name: str):
         from .bucketing import pad_to_multiple
 
         return pad_to_multiple
+    if name == "autoroute":  # loaded at start-up by its path, before the package (setup.py)
+        import importlib
+
+        return importlib.import_module(".autoroute", __name__)
     if name in ("install", "uninstall"):
         from . import routing as module
 

@@ -22,10 +22,17 @@ import threading
 from typing import Any, Callable, Iterator
 
 MARK = "__slackswap_initialize__"  # set on slackswap_ds.engine.initialize
+GUARD = "__slackswap_autoroute__"  # set on autoroute.py's guard around DeepSpeed's own initialize
 
 _LOCK = threading.RLock()
 _ORIGINAL: Callable | None = None  # DeepSpeed's own initialize while SlackSwap's is routed in
+_BEFORE: Callable | None = None  # what was bound before (the guard, or DeepSpeed's own), put back by unrouting
 _SEEN: Callable | None = None  # DeepSpeed's own initialize, as last seen unpatched
+
+
+def _own(function: Callable | None) -> Callable | None:
+    """DeepSpeed's own initialize behind autoroute.py's guard, if `function` is that guard."""
+    return getattr(function, "__wrapped__", None) if getattr(function, GUARD, False) else function
 
 
 # ---- deepspeed.initialize ------------------------------------------------------------------------
@@ -35,7 +42,7 @@ def remember_original() -> None:
     ss.initialize`` imports it before the assignment happens)."""
     global _SEEN
     module = sys.modules.get("deepspeed")
-    current = getattr(module, "initialize", None)
+    current = _own(getattr(module, "initialize", None))
     if current is not None and not getattr(current, MARK, False):
         _SEEN = current
 
@@ -59,26 +66,28 @@ def initialize_is_routed() -> bool:
 
 def route_initialize(replacement: Callable) -> bool:
     """Bind `deepspeed.initialize` to `replacement`, keeping DeepSpeed's own. True if it changed it."""
-    global _ORIGINAL
+    global _ORIGINAL, _BEFORE
     import deepspeed
 
     with _LOCK:
         if _ORIGINAL is not None:
             return False
         _ORIGINAL = original_initialize()
+        _BEFORE = deepspeed.initialize if getattr(deepspeed.initialize, GUARD, False) else _ORIGINAL
         deepspeed.initialize = replacement
         return True
 
 
 def unroute_initialize() -> bool:
-    """Put DeepSpeed's own `initialize` back. True if it was routed."""
-    global _ORIGINAL
+    """Put back what `deepspeed.initialize` was before routing (DeepSpeed's own, or autoroute.py's
+    guard around it). True if it was routed."""
+    global _ORIGINAL, _BEFORE
     import deepspeed
 
     with _LOCK:
         if _ORIGINAL is None:
             return False
-        deepspeed.initialize, _ORIGINAL = _ORIGINAL, None
+        deepspeed.initialize, _ORIGINAL, _BEFORE = _BEFORE, None, None
         return True
 
 

@@ -18,34 +18,37 @@ from .shapes import Prediction
 
 class StepReports:
     """Counts planned steps since the last report; every `log_every` of them, one line measured
-    against predicted, and a warning if saved tensors fell back to kept."""
+    against predicted, and a warning if saved tensors were not placed as planned (to host, or kept)."""
 
     def __init__(self, cfg: SlackSwapConfig, hw: Hardware):
         self.cfg, self.hw = cfg, hw
+        self.last: float | None = None  # when the previous planned step's backward ended
         self._start()
 
     def _start(self) -> None:
-        self.since: float | None = None
+        self.elapsed, self.timed = 0.0, 0  # wall clock from one planned step's end to the next's
         self.steps = 0
         self.peak = 0
         self.fallbacks: collections.Counter[str] = collections.Counter()
 
     def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int]) -> None:
         now = time.perf_counter()
-        if self.since is None:
-            self.since = now
+        if self.last is not None:  # a step is timed from the end of the one before (the job's first is not)
+            self.elapsed += now - self.last
+            self.timed += 1
+        self.last = now
         self.steps += 1
         self.peak = max(self.peak, peak_bytes)
         self.fallbacks.update(fallbacks)
         if not self.cfg.log_every or self.steps < self.cfg.log_every:
             return
-        seconds = (now - self.since) / self.steps
-        log.info("slackswap: last %d planned steps: %.1f ms per step (wall clock, optimizer included; the plan "
+        per_step = f"{1e3 * self.elapsed / self.timed:.1f} ms" if self.timed else "(not yet timed)"
+        log.info("slackswap: last %d planned steps: %s per step (wall clock, optimizer included; the plan "
                  "predicts %.1f ms for forward and backward on %s), peak of saved activations %s B (predicted %s B, "
-                 "budget %s B)", self.steps, 1e3 * seconds, 1e3 * prediction.step_s, self.hw.name,
+                 "budget %s B)", self.steps, per_step, 1e3 * prediction.step_s, self.hw.name,
                  f"{self.peak:,}", f"{prediction.peak_bytes:,}", f"{plan.budget_bytes:,}")
         if self.fallbacks:
-            log.warning("slackswap: in the last %d steps, saved tensors kept instead of planned: %s", self.steps,
+            log.warning("slackswap: in the last %d steps, saved tensors not placed as planned: %s", self.steps,
                         ", ".join(f"{n} x {why}" for why, n in sorted(self.fallbacks.items())))
         self._start()
 

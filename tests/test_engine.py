@@ -637,15 +637,22 @@ def test_initialize_takes_over_caches_and_checkpointing_exactly_within_budget(si
     assert sum("torch.utils.checkpoint" in m for m in messages) == (mode == "checkpointing")
 
 
-def test_every_log_every_steps_rank_0_reports_measured_against_predicted(caplog):
+@pytest.mark.parametrize("log_every", [1, 2])
+def test_every_log_every_steps_rank_0_reports_measured_against_predicted(caplog, log_every):
+    """Each planned step is timed from the end of the one before (the job's first planned step has
+    none before it); with log_every 1 every line has its own step's time (it said 0.0 ms)."""
     import logging
+    import re
 
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
-        _steps({"log_every": 2, "activation_budget": 0.5}, seqs=(16,) * 6)
+        _steps({"log_every": log_every, "activation_budget": 0.5}, seqs=(16,) * 6)
     reports = [r.getMessage() for r in caplog.records if "planned steps:" in r.getMessage()]
-    # step 1 is plain, step 2 profiled; steps 3-6 are planned: two reports of two steps each
-    assert len(reports) == 2 and all("last 2 planned steps" in m and "predicted" in m and "budget" in m
-                                     for m in reports)
+    # step 1 is plain, step 2 profiled; steps 3-6 are planned: one report every log_every of them
+    assert len(reports) == 4 // log_every and all(f"last {log_every} planned steps" in m and "predicted" in m
+                                                  and "budget" in m for m in reports)
+    times = [re.search(r"steps: (\S+) ms per step|steps: \(not yet timed\) per step", m).group(1) for m in reports]
+    assert times[0] is None if log_every == 1 else float(times[0]) > 0
+    assert all(float(t) > 0 for t in times[1:]), reports
 
 
 def test_other_ranks_say_only_what_differs():
@@ -707,7 +714,7 @@ def test_a_host_pool_that_runs_out_is_warned_once_and_reported(caplog):
     assert runtime.last_stats.fallbacks.get("host pool exhausted: kept")
     messages = [(r.levelno, r.getMessage()) for r in caplog.records]
     first = [m for level, m in messages if level == logging.WARNING and "(host pool exhausted: kept)" in m]
-    reports = [m for level, m in messages if "kept instead of planned" in m and "host pool exhausted" in m]
+    reports = [m for level, m in messages if "not placed as planned" in m and "host pool exhausted" in m]
     assert len(first) == 1 and len(reports) == 2  # warned the first time, then counted every log_every steps
 
 

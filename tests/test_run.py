@@ -23,14 +23,16 @@ SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g
 
 def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool, n: int = 2,
            planner: str = "slackswap") -> tuple[list[float], str]:
-    """tests/adoption/<script>.py through `python -m slackswap_ds.run` under a launcher, on `n` ranks:
-    its losses and output."""
+    """tests/adoption/<script>.py through `python -m slackswap_ds.run` under a launcher (`plain`:
+    DeepSpeed's launcher on the script itself), on `n` ranks: its losses and output."""
     config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled, "planner": planner}}
     name = f"{script}.{launcher}.{n}.{'on' if enabled else 'off'}"
     cfg, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
     cfg.write_text(json.dumps(config))
     target = [str(SCRIPTS / f"{script}.py"), "--deepspeed_config", str(cfg), "--losses", str(losses)]
-    if launcher == "deepspeed":
+    if launcher == "plain":  # `deepspeed script.py`: the package's start-up hook routes it (autoroute.py)
+        cmd = deepspeed_line(n, *target)
+    elif launcher == "deepspeed":
         cmd = deepspeed_line(n, "--module", "slackswap_ds.run", *target)
     elif launcher == "torchrun":
         cmd = torchrun_line(2, "-m", "slackswap_ds.run", *target)
@@ -69,16 +71,19 @@ def disabled_run(tmp_path_factory):
 
 
 @pytest.mark.parametrize("launcher, script, config", [
-    pytest.param("deepspeed", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
+    pytest.param("plain", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
     pytest.param("torchrun", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
     ("deepspeed", "hf_trainer", HF),
     ("accelerate", "accelerate_plugin", ACCELERATE),
-], ids=["deepspeed-script", "torchrun-script", "hf-trainer", "accelerate-plugin"])
+], ids=["plain-deepspeed-launch", "torchrun-script", "hf-trainer", "accelerate-plugin"])
 def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_run, launcher, script, config):
+    """Under `python -m slackswap_ds.run`, and under a plain `deepspeed script.py` (the package's
+    start-up hook routes `deepspeed.initialize` once it sees the section: autoroute.py)."""
     losses_on, out_on = launch(tmp_path, launcher, script, config, enabled=True)
     losses_off, out_off = disabled_run(launcher, script, config)
     assert len(losses_on) == 6 and losses_on == losses_off
     assert plans_logged(out_on) == ["0"] and "agreed over torch.distributed by 2 ranks" in out_on
+    assert ("deepspeed.initialize ran through SlackSwap" in out_on) is (launcher == "plain")
     assert plans_logged(out_off) == []
     # every step within the budget from the first: the warm-up step in the shelter, the profiled one
     # (on host too), then each planned step's report (log_every 1: steps 3 to 6)
@@ -124,7 +129,8 @@ def test_install_routes_deepspeed_initialize_once_and_uninstall_restores_it():
     from slackswap_ds.deepspeed_api import original_initialize
     from slackswap_ds.routing import is_installed
 
-    own = deepspeed.initialize
+    bound = deepspeed.initialize  # autoroute.py's guard (the package's start-up hook), or DeepSpeed's own
+    own = getattr(bound, "__wrapped__", bound)
     assert not is_installed()
     try:
         assert ss.install() is True and ss.install() is False  # idempotent
@@ -132,7 +138,7 @@ def test_install_routes_deepspeed_initialize_once_and_uninstall_restores_it():
         assert checkpointing.is_installed()
     finally:
         assert ss.uninstall() is True and ss.uninstall() is False
-    assert deepspeed.initialize is own and not checkpointing.is_installed()
+    assert deepspeed.initialize is bound and not checkpointing.is_installed()
 
 
 def test_rebinding_deepspeed_initialize_by_hand_does_not_recurse():
@@ -142,12 +148,12 @@ def test_rebinding_deepspeed_initialize_by_hand_does_not_recurse():
     import slackswap_ds as ss
     from slackswap_ds.deepspeed_api import original_initialize
 
-    own = deepspeed.initialize
+    bound = deepspeed.initialize
     try:
         deepspeed.initialize = ss.initialize
-        assert original_initialize() is own
+        assert original_initialize() is getattr(bound, "__wrapped__", bound)
     finally:
-        deepspeed.initialize = own
+        deepspeed.initialize = bound
 
 
 def test_run_hands_the_script_its_arguments(tmp_path):
