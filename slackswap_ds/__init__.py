@@ -7,7 +7,7 @@ torch (tests/test_structure.py holds the package to this block):
     core         errors files budget profile derive hardware plan model_config workloads
     planning     simulator planners pipeline report
     runtime      runtime checkpointing bucketing topology dist channels agreement planfile
-    integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run
+    integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run autoroute
     entry        cli
 
 The map, one line per module (README.md, "What is in the box", says more):
@@ -47,6 +47,7 @@ The map, one line per module (README.md, "What is in the box", says more):
     engine          ss.initialize and the DeepSpeed engine's hooks
     stages          per-stage plans under DeepSpeed's PipelineEngine
     routing, run    ss.install() / ss.uninstall(); python -m slackswap_ds.run
+    autoroute       the start-up hook (setup.py's .pth): a config with a section routed at deepspeed.initialize
     cli/            `slackswap simulate | plan`: arguments and printing; sweep
 
 The runtime names below (`apply`, `profile_step`, `initialize`, ...) are imported on first use.
