@@ -58,13 +58,14 @@ class _WaitForDeepSpeed:  # a meta path finder (the protocol needs no base class
             return None
         import importlib.machinery
 
-        sys.meta_path.remove(self)  # one import of deepspeed per process to wait for
+        # (stays on meta_path until DeepSpeed's module has run: `importlib.util.find_spec("deepspeed")`,
+        # how transformers and accelerate ask whether it is installed, comes here too, and loads nothing)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path)
         for finder in sys.meta_path:  # an editable install's finder, say
             if spec is not None:
                 break
             find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
+            spec = find(fullname, path, target) if find is not None and finder is not self else None
         if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
             spec.loader = _BindAfter(spec.loader)
         return spec
@@ -80,6 +81,7 @@ class _BindAfter:  # a loader
     def exec_module(self, module):
         self.loader.exec_module(module)
         try:
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _WaitForDeepSpeed)]
             _bind(module)
         except Exception:  # noqa: BLE001 - DeepSpeed stays as it is
             pass

@@ -219,6 +219,13 @@ class SlackSwapConfig(BaseModel):
         "planned step to this path. `null`: no trace.",
         json_schema_extra=_doc("path or null", "slackswap-trace.json"),
     )
+    summary_file: str | None = Field(
+        None,
+        description="When the job ends, rank 0 writes the summary it logs (steps by kind, step times, peaks "
+        "against budget and keep-all, bytes moved, fallbacks, the plan of each input shape) to this path as "
+        "JSON. `null`: beside `trace_file` (`<trace>.summary.json`) if that is set, else only logged.",
+        json_schema_extra=_doc("path or null", "slackswap-summary.json"),
+    )
     log_every: int = Field(
         100,
         ge=0,
@@ -328,7 +335,7 @@ class SlackSwapConfig(BaseModel):
             raise ValueError(f"unknown planner. Fix: {_did_you_mean(v, names)}valid planners: {', '.join(names)}")
         return v
 
-    @field_validator("plan_file", "trace_file")
+    @field_validator("plan_file", "trace_file", "summary_file")
     @classmethod
     def _path_or_none(cls, v: str | None, info: ValidationInfo) -> str | None:
         if v is None:
@@ -348,7 +355,7 @@ class SlackSwapConfig(BaseModel):
         except OSError:
             raise ValueError("it exists and is not a regular file (a device, a FIFO, ...), which SlackSwap never "
                              "replaces. Fix: give the path of a file") from None
-        if info.field_name == "trace_file" and not os.access(folder, os.W_OK):
+        if info.field_name in ("trace_file", "summary_file") and not os.access(folder, os.W_OK):
             raise ValueError(f"its folder {folder!r} cannot be written (read-only, or not yours). Fix: give a "
                              f"path in a folder you can write, or null")
         return v

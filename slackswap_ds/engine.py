@@ -22,7 +22,9 @@ plans instead (stages.py).
 
 from __future__ import annotations
 
+import atexit
 import logging
+import weakref
 
 import torch
 
@@ -32,10 +34,10 @@ from .errors import SlackSwapError
 from .coordination import Coordinator
 from .deepspeed_api import (MARK, config_given, hook_forward_backward, initialize_without_section,
                             is_pipeline_engine, remember_original)
-from .logs import EVERY_RANK, SayOnce, log, setup_logging
+from .logs import EVERY_RANK, SayOnce, job_rank, log, setup_logging
 from .plan import Plan
-from .plans import Agreed, PlanMaker, plan_summary
-from .reporting import StepReports, write_trace
+from .plans import PlanMaker
+from .reporting import StepReports, say_agreed_plan, say_own_plan, say_summary, summary_path, write_trace
 from .runtime.executor import Executor
 from .runtime.replay import ReplayError
 from .runtime.stats import StepStats
@@ -90,6 +92,7 @@ class SlackSwapRuntime:
         self.reports: StepReports | None = None
         self.profiled_steps = 0  # steps this rank profiled (a new shape without a derivable plan)
         self.derived_plans = 0  # plans this rank derived for new shapes instead (derive.py)
+        self.summarized = False  # end_of_job ran
 
     # views for users and tests (the services own these)
     @property
@@ -108,9 +111,22 @@ class SlackSwapRuntime:
         self.module = self.engine.module
         self.plans = PlanMaker.for_engine(self.engine, self.cfg)
         self.model_dims = model_dims(self.module)
-        self.reports = StepReports(self.cfg, self.plans.hw)
+        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        self.reports = StepReports(self.cfg, self.plans.hw, self.device_type)
         hook_forward_backward(self.engine, self._before_forward, self._before_backward, self._after_backward)
         self.engine.slackswap = self
+        me = weakref.ref(self)  # the summary when the process exits, without keeping the runtime alive
+        atexit.register(lambda: me() is not None and me().end_of_job())
+
+    def end_of_job(self) -> dict | None:
+        """The job's summary (logged by rank 0, written as JSON by it: `summary_file`), once; run
+        when the process exits, or by a script that wants it earlier. None if no step ran."""
+        if self.steps == 0 or self.summarized:
+            return None
+        self.summarized = True
+        data = self.reports.summary.data(profiled_steps=self.profiled_steps, derived_plans=self.derived_plans)
+        say_summary(data, summary_path(self.cfg) if job_rank() == 0 else None)  # (the process group may be gone)
+        return data
 
     # ---- per step ----------------------------------------------------------------------------
     def _before_forward(self, args: tuple, kwargs: dict) -> dict:
@@ -214,15 +230,20 @@ class SlackSwapRuntime:
                       self.steps, error, extra=EVERY_RANK)
             return
         if key is None:  # the shelter: no plan, its saved tensors were on host
-            self.last_stats, self.active_plan = context.stats.last_step, None
-            self.shelter_peak = max(self.shelter_peak, self.last_stats.peak_device_bytes)
+            stats, self.active_plan = context.stats.last_step, None
+            self.last_stats = stats
+            self.reports.unplanned("warm-up" if self.steps <= self.cfg.profile_steps else "shelter",
+                                   stats.peak_device_bytes, stats.fallbacks)
+            self.shelter_peak = max(self.shelter_peak, stats.peak_device_bytes)
             if self.steps == self.cfg.profile_steps:
                 log.info("slackswap: %d warm-up step(s) done in the shelter: peak of saved activations on the "
                          "device %s B", self.steps, f"{self.shelter_peak:,}")
             return
         state = self.shapes[key]
         if isinstance(context, ProfileSession):
-            self.last_stats, self.active_plan = context.executor.stats.last_step, None
+            stats, self.active_plan = context.executor.stats.last_step, None
+            self.last_stats = stats
+            self.reports.unplanned("profiled", stats.peak_device_bytes, stats.fallbacks)
             try:
                 self._make_plan(state, context.profile(type(self.module).__name__), key)
             except Exception as e:
@@ -231,11 +252,12 @@ class SlackSwapRuntime:
             return
         self.last_stats = stats = state.executor.stats.last_step
         self.active_plan = state.plan
+        self.reports.step(state.plan, state.prediction, stats.peak_device_bytes, stats.fallbacks, str(shapes_of(key)),
+                          state.profile.total_bytes, (stats.swapped_bytes, stats.recomputed_bytes))
         if not state.checked:
             state.checked = True
             if state.derived_from is not None and not self._derivation_held(key, state, stats):
                 return
-        self.reports.step(state.plan, state.prediction, stats.peak_device_bytes, stats.fallbacks)
         timeline = state.executor.stats.last_timeline
         if timeline is not None and state.executor.record:
             state.executor.record = False  # one measured step is enough
@@ -258,7 +280,7 @@ class SlackSwapRuntime:
                 self._shelter_shape(key, state, e)
                 return
             self.plans.install(state, agreed)
-            self._say_own_plan(key, state, "planned from its profile")
+            say_own_plan(self.rank, shapes_of(key), state, "planned from its profile", self.device_type)
             self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
             return
         channel = self.coordinator.job_channel()
@@ -267,9 +289,11 @@ class SlackSwapRuntime:
         sim = self.plans.install(state, agreed, record=record)
         self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
         if agreed.ranks == 1 and channel.world > 1:
-            self._say_own_plan(key, state, "planned from its profile (the ranks' shapes differ)")
+            say_own_plan(self.rank, shapes_of(key), state, "planned from its profile (the ranks' shapes differ)",
+                         self.device_type)
         else:
-            self._say_plan(state, agreed, channel.rank, channel.world)
+            say_agreed_plan(state, agreed, self.coordinator.shares, self.plans.hw, self.coordinator.via, channel.rank,
+                            channel.world, self.device_type)
         if record:
             # the prediction now; the first measured step beside it (same format, see _after_backward),
             # unless the trace could not be written
@@ -293,8 +317,9 @@ class SlackSwapRuntime:
         if not self._install_derived(key, derivation.profile, base_key):
             return False
         self.derived_plans += 1
-        self._say_own_plan(key, self.shapes[key], f"derived from the profile of {shapes_of(base_key)} (no profiled "
-                           f"step; profiled steps {self.profiled_steps}, derived plans {self.derived_plans})")
+        say_own_plan(self.rank, shapes_of(key), self.shapes[key], f"derived from the profile of {shapes_of(base_key)} "
+                     f"(no profiled step; profiled steps {self.profiled_steps}, derived plans {self.derived_plans})",
+                     self.device_type)
         return True
 
     def _install_derived(self, key: ShapeKey, profile, base_key: ShapeKey) -> bool:
@@ -346,31 +371,6 @@ class SlackSwapRuntime:
         log.warning("slackswap rank %d: no plan for input shapes %s (%s: %s); their steps run in the shelter "
                     "(every saved tensor to host: within the budget, slower)", self.rank, shapes_of(key),
                     type(error).__name__, error, extra=EVERY_RANK)
-
-    def _say_own_plan(self, key: ShapeKey, state: ShapeState, how: str) -> None:
-        """A plan this rank made alone, for shapes of its own."""
-        plan = state.plan
-        log.info("slackswap rank %d: input shapes %s: plan %s %s; budget %s B of %s B keep-all; %s; predicts "
-                 "%.1f%% of ideal throughput", self.rank, shapes_of(key), plan.digest[:12], how,
-                 f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile),
-                 100 * state.prediction.throughput, extra=EVERY_RANK)
-
-    def _say_plan(self, state: ShapeState, agreed: Agreed, rank: int, world: int) -> None:
-        """One plan line per job (rank 0's), and one from each rank whose link share differs."""
-        plan, shares = agreed.plan, self.coordinator.shares
-        rank_hw = shares.own.limit(self.plans.hw)  # this rank's link as shared with its neighbours
-        throughput = 100 * state.prediction.throughput
-        if rank == 0:
-            log.info("slackswap rank 0: budget %s B of %s B keep-all; %s; planner %s on %s (link share D2H %.1f / "
-                     "H2D %.1f GB/s) predicts %.1f%% of ideal throughput; plan %s agreed over %s by %d ranks",
-                     f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile),
-                     plan.planner, self.plans.hw.name, rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, throughput,
-                     plan.digest[:12], self.coordinator.via, world)
-        elif shares.own != shares.lead:  # the same plan; what differs on this rank
-            log.info("slackswap rank %d: plan %s with this rank's link share D2H %.1f / H2D %.1f GB/s and pool %s "
-                     "(rank 0 differs) predicts %.1f%% of ideal throughput", rank, plan.digest[:12],
-                     rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, shares.own.host_pool_bytes, throughput,
-                     extra=EVERY_RANK)
 
 
 __all__ = ["AgreementError", "SlackSwapRuntime", "initialize"]

@@ -1,51 +1,76 @@
-"""What a job reports while it trains: measured steps against the plan's prediction, every
-`log_every` planned steps (rank 0: the logger filters the others), and Chrome traces of the
-predicted and the first measured step (`trace_file`)."""
+"""What a job reports while it trains and when it ends (rank 0: the logger filters the others):
+measured steps against the plan's prediction after the first planned step and every `log_every`
+after it; the job's summary when it ends (`JobSummary`: logged, and written as JSON); and Chrome
+traces of the predicted and the first measured step (`trace_file`)."""
 
 from __future__ import annotations
 
 import collections
+import json
 import os
+import statistics
 import time
 from typing import Mapping
 
 from .config import SlackSwapConfig
+from .files import write_atomically
 from .hardware import Hardware
-from .logs import log
+from .logs import EVERY_RANK, log
 from .plan import Plan
-from .shapes import Prediction
+from .plans import Agreed, plan_summary
+from .shapes import Prediction, ShapeState
+
+KINDS = ("warm-up", "profiled", "planned", "shelter")  # how a step ran (engine.py's lifecycle)
 
 
 class StepReports:
-    """Counts planned steps since the last report; every `log_every` of them, one line measured
-    against predicted, and a warning if saved tensors were not placed as planned (to host, or kept)."""
+    """Every step of the job goes through here: planned ones (`step`) are reported against their
+    prediction, the first of the job at once and then every `log_every`, with a warning if saved
+    tensors were not placed as planned (to host, or kept); all of them (`unplanned` too) feed the
+    job's summary."""
 
-    def __init__(self, cfg: SlackSwapConfig, hw: Hardware):
-        self.cfg, self.hw = cfg, hw
-        self.last: float | None = None  # when the previous planned step's backward ended
+    def __init__(self, cfg: SlackSwapConfig, hw: Hardware, device_type: str = "cuda"):
+        self.cfg, self.hw, self.device_type = cfg, hw, device_type
+        self.summary = JobSummary()
+        self.last: float | None = None  # when the previous step's backward ended (of any kind)
+        self.reported = False  # the job's first planned step has been reported
         self._start()
 
     def _start(self) -> None:
-        self.elapsed, self.timed = 0.0, 0  # wall clock from one planned step's end to the next's
+        self.elapsed, self.timed = 0.0, 0  # wall clock from one step's end to the next planned step's
         self.steps = 0
         self.peak = 0
         self.fallbacks: collections.Counter[str] = collections.Counter()
 
-    def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int]) -> None:
+    def _tick(self) -> float | None:
+        """Seconds since the previous step ended (None for the job's first)."""
         now = time.perf_counter()
-        if self.last is not None:  # a step is timed from the end of the one before (the job's first is not)
-            self.elapsed += now - self.last
+        seconds, self.last = (now - self.last if self.last is not None else None), now
+        return seconds
+
+    def unplanned(self, kind: str, peak_bytes: int, fallbacks: Mapping[str, int]) -> None:
+        """A warm-up, profiled or shelter step ended."""
+        self.summary.step(kind, self._tick(), peak_bytes, fallbacks)
+
+    def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int],
+             shapes: str = "", keep_all: int | None = None, moved: tuple[int, int] = (0, 0)) -> None:
+        """A planned step ended (`moved`: its swapped and recomputed bytes)."""
+        seconds = self._tick()
+        self.summary.step("planned", seconds, peak_bytes, fallbacks, plan, shapes, keep_all, moved)
+        if seconds is not None:
+            self.elapsed += seconds
             self.timed += 1
-        self.last = now
         self.steps += 1
         self.peak = max(self.peak, peak_bytes)
         self.fallbacks.update(fallbacks)
-        if not self.cfg.log_every or self.steps < self.cfg.log_every:
+        if not self.cfg.log_every or (self.reported and self.steps < self.cfg.log_every):
             return
-        per_step = f"{1e3 * self.elapsed / self.timed:.1f} ms" if self.timed else "(not yet timed)"
+        self.reported = True
+        per_step = f"{1e3 * self.elapsed / self.timed:.1f} ms" if self.timed else "(not timed)"
         log.info("slackswap: last %d planned steps: %s per step (wall clock, optimizer included; the plan "
-                 "predicts %.1f ms for forward and backward on %s), peak of saved activations %s B (predicted %s B, "
-                 "budget %s B)", self.steps, per_step, 1e3 * prediction.step_s, self.hw.name,
+                 "predicts %.1f ms for forward and backward on %s%s), peak of saved activations %s B (predicted "
+                 "%s B, budget %s B)", self.steps, per_step, 1e3 * prediction.step_s, self.hw.name,
+                 measured_on(self.device_type),
                  f"{self.peak:,}", f"{prediction.peak_bytes:,}", f"{plan.budget_bytes:,}")
         if self.fallbacks:
             log.warning("slackswap: in the last %d steps, saved tensors not placed as planned: %s", self.steps,
@@ -53,8 +78,125 @@ class StepReports:
         self._start()
 
 
+def measured_on(device_type: str) -> str:
+    """Said beside a prediction whose op times were profiled on something other than a GPU (a CPU
+    job's plan is made for a GPU preset's copies, but its compute times are this CPU's)."""
+    return "" if device_type == "cuda" else f", with op times measured on this {device_type.upper()}"
+
+
+def say_own_plan(rank: int, shapes: str, state: ShapeState, how: str, device_type: str) -> None:
+    """A plan a rank made alone, for input shapes of its own (every rank says its own)."""
+    plan = state.plan
+    log.info("slackswap rank %d: input shapes %s: plan %s %s; budget %s B of %s B keep-all; %s; predicts "
+             "%.1f%% of ideal throughput%s", rank, shapes, plan.digest[:12], how, f"{plan.budget_bytes:,}",
+             f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile), 100 * state.prediction.throughput,
+             measured_on(device_type), extra=EVERY_RANK)
+
+
+def say_agreed_plan(state: ShapeState, agreed: Agreed, shares, hw: Hardware, via: str, rank: int, world: int,
+                    device_type: str) -> None:
+    """One plan line per job (rank 0's), and one from each rank whose link share differs."""
+    plan = agreed.plan
+    rank_hw = shares.own.limit(hw)  # this rank's link as shared with its neighbours
+    throughput = 100 * state.prediction.throughput
+    if rank == 0:
+        log.info("slackswap rank 0: budget %s B of %s B keep-all; %s; planner %s on %s (link share D2H %.1f / "
+                 "H2D %.1f GB/s) predicts %.1f%% of ideal throughput%s; plan %s agreed over %s by %d ranks",
+                 f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile),
+                 plan.planner, hw.name, rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, throughput,
+                 measured_on(device_type), plan.digest[:12], via, world)
+    elif shares.own != shares.lead:  # the same plan; what differs on this rank
+        log.info("slackswap rank %d: plan %s with this rank's link share D2H %.1f / H2D %.1f GB/s and pool %s "
+                 "(rank 0 differs) predicts %.1f%% of ideal throughput", rank, plan.digest[:12],
+                 rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, shares.own.host_pool_bytes, throughput,
+                 extra=EVERY_RANK)
+
+
+class JobSummary:
+    """What the job did, step by step, for its summary: steps by kind, their wall-clock times, the
+    peak of saved activations, fallbacks, and per input shape its plan and what its steps did."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, list[float]] = {kind: [] for kind in KINDS}
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.peaks: dict[str, int] = dict.fromkeys(KINDS, 0)
+        self.over_budget = 0  # planned steps whose peak exceeded their plan's budget
+        self.fallbacks: collections.Counter[str] = collections.Counter()
+        self.shapes: dict[str, dict] = {}
+
+    def step(self, kind: str, seconds: float | None, peak_bytes: int, fallbacks: Mapping[str, int],
+             plan: Plan | None = None, shapes: str = "", keep_all: int | None = None,
+             moved: tuple[int, int] = (0, 0)) -> None:
+        self.counts[kind] += 1
+        if seconds is not None:
+            self.times[kind].append(seconds)
+        self.peaks[kind] = max(self.peaks[kind], peak_bytes)
+        self.fallbacks.update(fallbacks)
+        if plan is None:
+            return
+        self.over_budget += peak_bytes > plan.budget_bytes
+        row = self.shapes.setdefault(shapes, {"steps": 0, "peak_bytes": 0, "swapped_bytes": 0, "recomputed_bytes": 0})
+        row.update(plan=plan.digest[:12], planner=plan.planner, budget_bytes=plan.budget_bytes,
+                   keep_all_bytes=keep_all)  # the latest plan of these shapes (a re-plan replaces it)
+        row["steps"] += 1
+        row["peak_bytes"] = max(row["peak_bytes"], peak_bytes)
+        row["swapped_bytes"] += moved[0]
+        row["recomputed_bytes"] += moved[1]
+
+    def data(self, **counters: int) -> dict:
+        """The summary as JSON-ready data (`counters`: the runtime's own, profiled steps and derived plans)."""
+        shapes = [{"shapes": key, **row, "swapped_bytes_per_step": row["swapped_bytes"] // row["steps"],
+                   "recomputed_bytes_per_step": row["recomputed_bytes"] // row["steps"]}
+                  for key, row in self.shapes.items()]
+        return {"steps": {kind: self.counts[kind] for kind in KINDS}, **counters,
+                "median_step_ms": {kind: round(1e3 * statistics.median(t), 3) for kind, t in self.times.items() if t},
+                "peak_saved_bytes": {kind: self.peaks[kind] for kind in KINDS if self.counts[kind]},
+                "planned_steps_over_budget": self.over_budget, "fallbacks": dict(self.fallbacks), "shapes": shapes}
+
+
+def say_summary(data: dict, path: str | None) -> None:
+    """Log the summary (rank 0), and write it to `path` as JSON if given (a warning if it cannot be)."""
+    steps, times = data["steps"], data["median_step_ms"]
+    counted = ", ".join(f"{n} {kind}" for kind, n in steps.items() if n)
+    log.info("slackswap summary: %d steps (%s; %d plan(s) derived for new input shapes without a profiled step); "
+             "%s", sum(steps.values()), counted, data.get("derived_plans", 0),
+             "every planned step within its plan's budget" if not data["planned_steps_over_budget"] else
+             f"{data['planned_steps_over_budget']} planned step(s) over their plan's budget")
+    if times:
+        log.info("slackswap summary: median step time (wall clock, optimizer included): %s",
+                 ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in times.items()))
+    log.info("slackswap summary: peak of saved activations on the device: %s",
+             ", ".join(f"{kind} {b:,} B" for kind, b in data["peak_saved_bytes"].items()))
+    shapes = data["shapes"]
+    for row in shapes[:8]:
+        log.info("slackswap summary: input shapes %s: plan %s (%s), %d steps, peak %s B of budget %s B (keep-all %s "
+                 "B), per step swapped %s B, recomputed %s B", row["shapes"], row["plan"], row["planner"], row["steps"],
+                 f"{row['peak_bytes']:,}", f"{row['budget_bytes']:,}", f"{row['keep_all_bytes'] or 0:,}",
+                 f"{row['swapped_bytes_per_step']:,}", f"{row['recomputed_bytes_per_step']:,}")
+    if len(shapes) > 8:
+        log.info("slackswap summary: ... and %d more input shapes%s", len(shapes) - 8, f" (all in {path})" if path else "")
+    if data["fallbacks"]:
+        log.info("slackswap summary: saved tensors not placed as planned: %s",
+                 ", ".join(f"{n} x {why}" for why, n in sorted(data["fallbacks"].items())))
+    if path:
+        try:
+            write_atomically(path, json.dumps(data, indent=1) + "\n")
+        except OSError as e:
+            log.warning("slackswap: the summary could not be written to %s (%s)", path, e)
+            return
+        log.info("slackswap summary: written to %s", path)
+
+
+def summary_path(cfg: SlackSwapConfig) -> str | None:
+    """`summary_file`, else `<trace>.summary.json` beside `trace_file`, else None."""
+    if cfg.summary_file:
+        return cfg.summary_file
+    return trace_path(cfg.trace_file, "summary") if cfg.trace_file else None
+
+
 def trace_path(trace_file: str, kind: str) -> str:
-    """`trace_file` for the measured step; <stem>.<kind><suffix> beside it for the prediction."""
+    """`trace_file` for the measured step; <stem>.<kind><suffix> beside it for the prediction (and
+    the summary)."""
     if kind == "measured":
         return trace_file
     root, ext = os.path.splitext(trace_file)
@@ -75,4 +217,5 @@ def write_trace(result, trace_file: str, kind: str, **kw) -> bool:
     return True
 
 
-__all__ = ["StepReports", "trace_path", "write_trace"]
+__all__ = ["JobSummary", "KINDS", "StepReports", "measured_on", "say_agreed_plan", "say_own_plan", "say_summary",
+           "summary_path", "trace_path", "write_trace"]

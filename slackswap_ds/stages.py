@@ -44,7 +44,7 @@ from .logs import EVERY_RANK, SayOnce, job_rank, log
 from .plan import Plan
 from .plans import PlanMaker, plan_summary
 from .profile import StepProfile
-from .reporting import StepReports
+from .reporting import StepReports, measured_on
 from .runtime.executor import Executor
 from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
@@ -95,7 +95,8 @@ class StageRuntime:
     def attach(self) -> None:
         self.module = self.engine.module
         self.plans = PlanMaker.for_engine(self.engine, self.cfg)
-        self.reports = StepReports(self.cfg, self.plans.hw)
+        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        self.reports = StepReports(self.cfg, self.plans.hw, self.device_type)
         self.stage, self.members = stage_of(self.engine), stage_ranks(self.engine)
         self.group_communicator = self.coordinator.split(self.stage)  # MPI: a collective, now (every rank alive)
         self._say_unsupported()
@@ -230,10 +231,11 @@ class StageRuntime:
         elif self.group.rank == 0:  # one line per stage
             log.info("slackswap stage %d (ranks %s): %d micro-batch(es) in flight; budget %s B of %s B keep-all "
                      "(%d x %s B); per micro-batch %s; planner %s on %s predicts %.1f%% of ideal throughput and a "
-                     "peak of %s B; plan %s agreed over %s by %d ranks", self.stage, self.members, holds,
+                     "peak of %s B%s; plan %s agreed over %s by %d ranks", self.stage, self.members, holds,
                      f"{plan.budget_bytes:,}", f"{holds * profile.total_bytes:,}", holds, f"{profile.total_bytes:,}",
                      plan_summary(plan, profile), plan.planner, self.plans.hw.name,
-                     100 * state.prediction.throughput, f"{state.prediction.peak_bytes:,}", plan.digest[:12],
+                     100 * state.prediction.throughput, f"{state.prediction.peak_bytes:,}",
+                     measured_on(self.device_type), plan.digest[:12],
                      self.coordinator.via, self.group.world, extra=EVERY_RANK)
         if channel.rank == 0:
             log.info("slackswap: per-stage plans agreed by %d ranks: %s", channel.world,
@@ -257,9 +259,9 @@ class StageRuntime:
     def _say_own_plan(self, state: ShapeState, key: ShapeKey, holds: int) -> None:
         plan = state.plan
         log.info("slackswap stage %d rank %d: input shapes %s: plan %s of this rank's own (%d micro-batch(es) in "
-                 "flight); budget %s B; %s; predicts %.1f%% of ideal throughput", self.stage, job_rank(),
+                 "flight); budget %s B; %s; predicts %.1f%% of ideal throughput%s", self.stage, job_rank(),
                  shapes_of(key), plan.digest[:12], holds, f"{plan.budget_bytes:,}", plan_summary(plan, state.profile),
-                 100 * state.prediction.throughput, extra=EVERY_RANK)
+                 100 * state.prediction.throughput, measured_on(self.device_type), extra=EVERY_RANK)
 
     def _check_stages(self, channel: Channel, digest: str, shared: bool) -> None:
         """Every rank's stage and plan digest on every rank (the job-wide round: names any rank of

@@ -20,10 +20,12 @@ SECTION = {"train_micro_batch_size_per_gpu": 1, "slackswap": {"activation_budget
 
 def test_this_environment_has_the_hook_and_deepspeed_gets_the_guard_at_import():
     """setup.py put slackswap_ds-autoroute.pth in site-packages (the suite runs on an editable
-    install, as the README's commands make it); a fresh interpreter's `import deepspeed` finds its
-    `initialize` guarded, DeepSpeed's own behind it, and imports none of SlackSwap's modules but
+    install, as the README's commands make it); a fresh interpreter's `import deepspeed`, after
+    `importlib.util.find_spec("deepspeed")` (how transformers asks whether it is installed: the hook
+    waited for that and missed the import), finds its `initialize` guarded, DeepSpeed's own behind it, and imports none of SlackSwap's modules but
     the hook (not even the package) until a config with a section arrives."""
-    code = ("import sys, json, deepspeed; f = deepspeed.initialize; "
+    code = ("import sys, json, importlib.util; importlib.util.find_spec('deepspeed'); "  # (as transformers asks)
+            "import deepspeed; f = deepspeed.initialize; "
             "print(json.dumps([getattr(f, '__slackswap_autoroute__', False), f.__wrapped__.__module__, "
             "sorted(m for m in sys.modules if m.startswith('slackswap_ds'))]))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,

@@ -638,21 +638,50 @@ def test_initialize_takes_over_caches_and_checkpointing_exactly_within_budget(si
 
 
 @pytest.mark.parametrize("log_every", [1, 2])
-def test_every_log_every_steps_rank_0_reports_measured_against_predicted(caplog, log_every):
-    """Each planned step is timed from the end of the one before (the job's first planned step has
-    none before it); with log_every 1 every line has its own step's time (it said 0.0 ms)."""
+def test_the_first_planned_step_and_every_log_every_after_it_are_reported(caplog, log_every):
+    """The job's first planned step gets its line at once (a short job sees a measured line), then
+    one every log_every planned steps; each step is timed from the end of the one before (any
+    kind: the first planned one from the profiled one), so every line has a time (with log_every 1
+    they all said 0.0 ms). A prediction from op times measured on the CPU says so."""
     import logging
     import re
 
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
         _steps({"log_every": log_every, "activation_budget": 0.5}, seqs=(16,) * 6)
     reports = [r.getMessage() for r in caplog.records if "planned steps:" in r.getMessage()]
-    # step 1 is plain, step 2 profiled; steps 3-6 are planned: one report every log_every of them
-    assert len(reports) == 4 // log_every and all(f"last {log_every} planned steps" in m and "predicted" in m
-                                                  and "budget" in m for m in reports)
-    times = [re.search(r"steps: (\S+) ms per step|steps: \(not yet timed\) per step", m).group(1) for m in reports]
-    assert times[0] is None if log_every == 1 else float(times[0]) > 0
-    assert all(float(t) > 0 for t in times[1:]), reports
+    # step 1 warms up, step 2 is profiled; steps 3-6 are planned: step 3 alone, then every log_every
+    assert [int(re.search(r"last (\d+) planned steps", m).group(1)) for m in reports] == \
+        ([1, 1, 1, 1] if log_every == 1 else [1, 2])
+    assert all(float(re.search(r"steps: ([\d.]+) ms per step", m).group(1)) > 0 for m in reports), reports
+    assert all("with op times measured on this CPU" in m and "budget" in m for m in reports)
+
+
+def test_the_job_summary_is_logged_and_written_as_json_when_the_job_ends(tmp_path, caplog):
+    """When the job ends (`end_of_job`, registered to run at exit), rank 0 logs its summary and writes
+    it as JSON: steps by kind, profiled steps and derived plans, median step times, peaks, and per
+    input shape its plan, steps, peak against budget and keep-all, and bytes moved per step. Once."""
+    import json
+    import logging
+
+    path = tmp_path / "summary.json"
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        runtime = _steps({"activation_budget": 0.5, "summary_file": str(path)}, seqs=(16, 16, 16, 16, 24, 24))
+        data = runtime.end_of_job()
+    assert runtime.end_of_job() is None  # once
+    assert json.loads(path.read_text()) == data
+    assert data["steps"] == {"warm-up": 1, "profiled": 1, "planned": 4, "shelter": 0}
+    assert data["profiled_steps"] == 1 and data["derived_plans"] == 1 and data["planned_steps_over_budget"] == 0
+    assert set(data["median_step_ms"]) == {"profiled", "planned"}  # (the job's first step has no step before it)
+    by_shapes = {row["shapes"]: row for row in data["shapes"]}
+    assert [row["steps"] for row in by_shapes.values()] == [2, 2]
+    for state in runtime.shapes.values():
+        row = next(r for r in data["shapes"] if r["plan"] == state.plan.digest[:12])
+        assert row["budget_bytes"] == state.plan.budget_bytes and row["keep_all_bytes"] == state.profile.total_bytes
+        assert 0 < row["peak_bytes"] <= row["budget_bytes"] < row["keep_all_bytes"]
+        assert row["swapped_bytes_per_step"] + row["recomputed_bytes_per_step"] > 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("slackswap summary")]
+    assert "6 steps (1 warm-up, 1 profiled, 4 planned; 1 plan(s) derived" in lines[0] and "every planned step within" in lines[0]
+    assert sum(": input shapes" in line for line in lines) == 2 and lines[-1] == f"slackswap summary: written to {path}"
 
 
 def test_other_ranks_say_only_what_differs():

@@ -73,9 +73,9 @@ def disabled_run(tmp_path_factory):
 @pytest.mark.parametrize("launcher, script, config", [
     pytest.param("plain", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
     pytest.param("torchrun", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
-    ("deepspeed", "hf_trainer", HF),
+    ("plain", "hf_trainer", HF),
     ("accelerate", "accelerate_plugin", ACCELERATE),
-], ids=["plain-deepspeed-launch", "torchrun-script", "hf-trainer", "accelerate-plugin"])
+], ids=["plain-deepspeed-launch", "torchrun-script", "hf-trainer-plain-launch", "accelerate-plugin"])
 def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_run, launcher, script, config):
     """Under `python -m slackswap_ds.run`, and under a plain `deepspeed script.py` (the package's
     start-up hook routes `deepspeed.initialize` once it sees the section: autoroute.py)."""
