@@ -342,3 +342,24 @@ def test_every_supported_family_simulates_from_its_config(capsys, config):
     assert [r["planner"] for r in rows] == ["slackswap", "keep-all"]
     assert rows[0]["feasible"] and rows[0]["peak_bytes"] <= rows[0]["budget_bytes"]
     assert not rows[1]["feasible"]  # keep-all is over any budget below the keep-all peak
+
+
+def test_the_solver_is_silent_unless_asked(capfd, monkeypatch):
+    """HiGHS prints lines of its own from C++ whatever `disp` says (97 in the README's `slackswap
+    simulate`): dropped during each solve; anything else written meanwhile still reaches stderr;
+    SLACKSWAP_SOLVER_OUTPUT=1 leaves them alone."""
+    import os
+
+    from slackswap_ds.planners.milp import SOLVER_OUTPUT_ENV, solver_output_dropped
+
+    assert main(["simulate", "-w", "bert-large", "-p", "optimal", "recompute-knapsack"]) == 0
+    cap = capfd.readouterr()
+    assert "Highs" not in cap.out + cap.err and "recompute-knapsack" in cap.out
+    with solver_output_dropped():
+        os.write(2, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+        os.write(1, b"another thread's line\n")
+    assert capfd.readouterr().err == "another thread's line\n"
+    monkeypatch.setenv(SOLVER_OUTPUT_ENV, "1")
+    with solver_output_dropped():
+        os.write(2, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+    assert "HighsMipSolverData" in capfd.readouterr().err

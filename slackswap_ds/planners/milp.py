@@ -18,7 +18,12 @@ model budget is lowered by the overshoot and the MILP solved again (`common.repa
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import re
+import sys
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +31,44 @@ import numpy as np
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
 from .common import Planned, RegionModel, release, repair
+
+SOLVER_OUTPUT_ENV = "SLACKSWAP_SOLVER_OUTPUT"  # set (to anything but "0"): HiGHS's own lines are shown
+_HIGHS_LINE = re.compile(r"^\s*(Highs|HiGHS|Running HiGHS)")
+
+
+@contextlib.contextmanager
+def solver_output_dropped():
+    """HiGHS writes lines of its own to the process's stdout and stderr from C++ whatever `disp`
+    says ("HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();", 97 of them
+    in one `slackswap simulate`). Both file descriptors go to a temporary file during the solve;
+    afterwards HiGHS's lines are dropped and anything else (another thread's output) is written to
+    stderr. `SLACKSWAP_SOLVER_OUTPUT=1` leaves them alone."""
+    if os.environ.get(SOLVER_OUTPUT_ENV, "0") != "0":
+        yield
+        return
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = (os.dup(1), os.dup(2))
+    except (OSError, ValueError):  # no such descriptors (a daemon): nothing to keep quiet
+        yield
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+            sink.seek(0)
+            rest = [line for line in sink.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _HIGHS_LINE.match(line)]
+            if rest:
+                os.write(2, "".join(rest).encode())
+
 
 @dataclass(frozen=True)
 class MilpOptions:
@@ -257,9 +300,10 @@ class _MilpModel:
         integrality = np.r_[np.ones(n_binary), np.zeros(n - n_binary)]
         upper = np.r_[np.ones(n_binary), np.full(n - n_binary, np.inf)]
         A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()
-        return milp(cost, constraints=LinearConstraint(A, self.lo, self.hi), integrality=integrality,
-                    bounds=Bounds(0, upper),
-                    options={"time_limit": options.time_limit_s, "disp": False, "mip_rel_gap": options.mip_rel_gap})
+        with solver_output_dropped():
+            return milp(cost, constraints=LinearConstraint(A, self.lo, self.hi), integrality=integrality,
+                        bounds=Bounds(0, upper), options={"time_limit": options.time_limit_s, "disp": False,
+                                                          "mip_rel_gap": options.mip_rel_gap})
 
     def decode(self, solution) -> dict[str, Decision]:
         x = np.round(solution).astype(int)
