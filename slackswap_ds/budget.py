@@ -165,4 +165,24 @@ def resolve_budget(budget: float | int | str | Budget, profile) -> int:
     return budget_bytes(budget, profile.total_bytes)
 
 
-__all__ = ["Budget", "budget_bytes", "parse_budget_value", "parse_optional_size", "parse_size", "resolve_budget"]
+# Model state per parameter, mixed-precision training with Adam (Rajbhandari et al. 2020, "ZeRO",
+# section 3.1: 2 + 2 + K bytes, K = 12): 16-bit weights, 16-bit gradients, and the optimizer's fp32
+# master weights, momentum and variance.
+WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+
+
+def model_state_bytes(params: int, zero: int = 0, dp: int = 1) -> int:
+    """Device bytes of one rank's model state for `params` weight elements: ZeRO stage 1 shards
+    the optimizer state over the `dp` data-parallel ranks, stage 2 the gradients too, stage 3 the
+    weights too (the ZeRO paper's 4 + K, 2 + (2 + K) / dp, (4 + K) / dp bytes per parameter)."""
+    if zero not in (0, 1, 2, 3) or isinstance(zero, bool) or dp < 1:
+        raise ValueError(f"zero must be 0-3 and dp >= 1, got zero {zero!r}, dp {dp!r}")
+    shard = [1, 1, 1]  # weights, gradients, optimizer
+    for stage, part in ((1, 2), (2, 1), (3, 0)):
+        if zero >= stage:
+            shard[part] = dp
+    return sum(-(-params * b // n) for b, n in zip((WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES), shard))
+
+
+__all__ = ["Budget", "budget_bytes", "model_state_bytes", "parse_budget_value", "parse_optional_size", "parse_size",
+           "resolve_budget"]

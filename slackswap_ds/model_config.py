@@ -21,8 +21,8 @@ What is not modelled, and what that means for the bytes
   attention. Saved bytes do not change: a fused kernel saves q, k, v, the output and the log-sum-exp whatever
   the window, and HF's eager path applies the window as a mask over a full s x s score tensor. Only the
   attention FLOPs (so the op times) are over-counted, and only when ``seq`` exceeds the window.
-* Attention/MLP biases (Qwen2's qkv bias), RoPE scaling, tied embeddings and norm epsilons do not change the
-  bytes saved for backward and are ignored. A ``head_dim`` other than ``hidden_size / num_attention_heads``
+* Attention/MLP biases (Qwen2's qkv bias), RoPE scaling and norm epsilons do not change the bytes saved for
+  backward and are ignored; tied embeddings (``tie_word_embeddings``) only count the model's parameters once. A ``head_dim`` other than ``hidden_size / num_attention_heads``
   changes every attention tensor and is rejected.
 * The head is the workload model's (final norm, LM head over the vocabulary, cross-entropy): BERT's MLM
   transform and NSP heads are not modelled (as for the ``bert-large`` preset).
@@ -196,6 +196,7 @@ def spec_from_hf_config(config: str | os.PathLike | dict, *, seq: int, micro_bat
         raise ProfileError(f"{where}: {family} config is missing required key(s): {', '.join(missing)}")
     r = _Reader(cfg, where)
     fields = _MAPPERS[family](r)
+    fields["tied_embeddings"] = bool(r.opt("tie_word_embeddings", True))  # (transformers' default: tied)
     max_pos = fields.pop("max_pos")
     if seq > max_pos:
         raise ProfileError(f"{where}: seq {seq} exceeds the model's maximum positions ({max_pos})")

@@ -192,8 +192,9 @@ GB = 1e9
 PAPER = "SlackSwap arXiv 2610.13003, simulated A100 + PCIe 4.0, 50% budget"
 PAPER_THROUGHPUT_PCT = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}
 
-SWEEP_COLUMNS = ("planner", "thru %", "step ms", "peak GB", "peak/bud", "recomp ms", "swap GB", "feasible")
-_WIDTHS = (20, 8, 10, 9, 10, 11, 9, 12)
+SWEEP_COLUMNS = ("planner", "thru %", "step ms", "tok/s", "peak GB", "peak/bud", "recomp ms", "swap GB", "feasible",
+                 "fits")
+_WIDTHS = (20, 8, 10, 10, 9, 10, 11, 9, 12, 6)
 
 
 def gb(nbytes: float) -> str:
@@ -218,30 +219,39 @@ def _table_row(cells: Sequence[str]) -> str:
 def sweep_row(row: Mapping) -> str:
     """One planner's row of a sweep table."""
     if row["status"] in ("infeasible", "error"):
-        return _table_row([row["planner"], *(["-"] * 6), row["status"]])
+        return _table_row([row["planner"], *(["-"] * 7), row["status"], "-"])
+    fits = row.get("fits")
     return _table_row([
         row["planner"],
         f"{row['throughput_pct']:.1f}",
         f"{row['step_s'] * 1e3:.1f}",
+        f"{row['tokens_per_s']:,.0f}" if row.get("tokens_per_s") else "-",
         f"{row['peak_bytes'] / GB:.2f}",
         f"{row['peak_bytes'] / row['budget_bytes']:.3f}" if row["budget_bytes"] else "-",
         f"{row['recompute_s'] * 1e3:.1f}",
         f"{row['swapped_bytes'] / GB:.2f}",
         "yes" if row["feasible"] else "NO (over)",
+        "-" if fits is None else "yes" if fits else "NO",
     ])
 
 
 def sweep_header(profile_name: str, where: str, spec: ModelSpec, source: str, par: Parallel, keep_all: SimResult,
-                 budget_bytes: int) -> list[str]:
-    """What was simulated where, the keep-all step and peak against the budget, and the column names."""
+                 budget_bytes: int, state_bytes: int, device_bytes: float) -> list[str]:
+    """What was simulated where, the keep-all step and peak against the budget, the model state
+    beside the GPU's memory, and the column names."""
     cut = "" if par == Parallel() else f", one rank of tp {par.tp}{' with sequence parallelism' if par.sp else ''}"
     ka = keep_all
+    room = device_bytes - state_bytes
     return [
         f"{profile_name} on {where}: seq {spec.seq}, micro-batch {spec.micro_batch}, "
         f"{spec.layers} layers{cut}; source: {source}",
         f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak {gb(ka.peak_bytes)}, "
         f"budget {gb(budget_bytes)} ({budget_bytes:,} B = {budget_bytes / ka.peak_bytes:.0%} of keep-all)"
         if ka.peak_bytes else f"  ideal step {ka.step_s * 1e3:.1f} ms, keep-all peak 0 B, budget {budget_bytes:,} B",
+        f"  model state {gb(state_bytes)} (16 B per parameter: 16-bit weights and gradients, Adam's fp32 master, "
+        f"m and v; no ZeRO) of the GPU's {gb(device_bytes)}: "
+        + (f"activations up to {gb(room)} fit beside it" if room > 0 else
+           "the model state alone does not fit (shard it: --dp with --zero)"),
         _table_row(SWEEP_COLUMNS),
     ]
 

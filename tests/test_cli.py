@@ -363,3 +363,30 @@ def test_the_solver_is_silent_unless_asked(capfd, monkeypatch):
     with solver_output_dropped():
         os.write(2, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
     assert "HighsMipSolverData" in capfd.readouterr().err
+
+
+def test_simulate_says_whether_the_job_fits_the_gpu_and_its_tokens_per_second(capsys):
+    """Hand-computed: BERT-Large has 24 layers of 4 h^2 (attention) + 8 h^2 (MLP) weights and a
+    30522 x 1024 embedding table its MLM head reuses (tied: counted once), h = 1024:
+    24 * 12 * 1024^2 + 30522 * 1024 = 333,244,416 parameters, 16 B each in mixed precision with
+    Adam (2 + 2 + 12: ZeRO paper, no sharding) = 5,331,910,656 B. Llama-7B's 6,738,149,376
+    parameters need 107.8 GB: nothing fits an 80 GB A100 without ZeRO. Tokens per second: the
+    micro-batch's seq x micro_batch tokens over the step."""
+    from slackswap_ds.budget import model_state_bytes
+
+    params = 24 * 12 * 1024 ** 2 + 30522 * 1024
+    assert params == 333_244_416 and model_state_bytes(params) == 5_331_910_656
+    assert [model_state_bytes(10 ** 9, zero, 8) / 10 ** 9 for zero in (0, 1, 2, 3)] == [16, 5.5, 3.75, 2]
+    hbm = load_hardware("a100-80g-pcie4").hbm_bytes
+    rows = run_json(capsys, "-w", "bert-large", "llama-7b", "--planner", "slackswap", "full-recompute")
+    for r in rows:
+        assert r["device_bytes"] == int(hbm)
+        assert r["tokens_per_s"] == pytest.approx(PRESETS[r["workload"]].seq * PRESETS[r["workload"]].micro_batch
+                                                  / r["step_s"])
+    bert = [r for r in rows if r["workload"] == "bert-large"]
+    assert all(r["model_state_bytes"] == 5_331_910_656 and r["fits"] is (5_331_910_656 + r["peak_bytes"] <= hbm)
+               for r in bert) and all(r["fits"] for r in bert)
+    llama = [r for r in rows if r["workload"] == "llama-7b"]
+    assert all(r["model_state_bytes"] == 16 * 6_738_149_376 and r["fits"] is False for r in llama)
+    assert main(["simulate", "-w", "llama-7b", "--planner", "full-recompute"]) == 0
+    assert "the model state alone does not fit (shard it: --dp with --zero)" in capsys.readouterr().out

@@ -135,7 +135,7 @@ def _sweep(args: argparse.Namespace) -> Sweep:
 def _group_table(group: Group, sweep: Sweep) -> list[str]:
     wl, target, par = group.workload, sweep.target, sweep.par
     header = sweep_header(group.profile_name, target.where, wl.spec, wl.source_note, par, group.keep_all,
-                          group.budget_bytes)
+                          group.budget_bytes, group.model_state_bytes, target.hw.hbm_bytes)
     plain = wl.preset and not wl.overridden and par == Parallel()
     paper = paper_line(wl.name, group.budget, group.rows, target.name) if plain else None
     return sweep_table(header, group.rows, paper)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..budget import Budget
+from ..budget import Budget, model_state_bytes
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
 from ..pipeline import Job, StepResult, simulate_job
@@ -25,7 +25,7 @@ from ..planners import PRIVATE, Planned, Share, get_planner, keep_all_result, re
 from ..profile import StepProfile
 from ..report import short_source
 from ..simulator import SimResult, simulate, simulate_node
-from ..workloads import ModelSpec, Parallel, transformer_profile
+from ..workloads import ModelSpec, Parallel, model_params, transformer_profile
 
 PROGRESS_ABOVE = 6  # (workload, budget) combinations above which progress goes to stderr
 SLOW_PLANNER_S = 10.0  # a planner slower than this gets a note on stderr
@@ -159,6 +159,14 @@ def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: in
     return row, plan, res
 
 
+def fits(fields: dict, state: int, spec: ModelSpec, hw: Hardware) -> dict:
+    """A row's tokens per second (one GPU's micro-batch over its step), the model state beside its
+    activations, and whether both fit the GPU's memory (None where the planner made no plan)."""
+    step_s, peak = fields.get("step_s"), fields.get("peak_bytes")
+    return {"tokens_per_s": spec.seq * spec.micro_batch / step_s if step_s else None, "model_state_bytes": state,
+            "device_bytes": int(hw.hbm_bytes), "fits": state + peak <= hw.hbm_bytes if peak is not None else None}
+
+
 # ---- a sweep -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Traced:
@@ -181,6 +189,7 @@ class Group:
     budget_bytes: int
     rows: list[dict]
     traced: Traced | None
+    model_state_bytes: int  # one rank's weights, gradients and Adam state (budget.model_state_bytes)
 
 
 @dataclass(frozen=True)
@@ -213,6 +222,7 @@ class Sweep:
     def _group(self, wl: Workload, profile: StepProfile, ka: SimResult, budget: Budget, trace: bool) -> Group:
         """Every planner at one budget; with `trace`, the slackswap step simulated with its events too."""
         target, budget_bytes = self.target, budget.of(profile.total_bytes)
+        state = model_state_bytes(model_params(wl.spec, self.par))  # one rank, no ZeRO: --dp/--zero for a job
         rows: list[dict] = []
         trace_res = trace_err = None
         for planner in self.planners:
@@ -233,6 +243,7 @@ class Sweep:
                 "peak_bytes": None,
                 "budget_bytes": budget_bytes,
                 **fields,
+                **fits(fields, state, wl.spec, target.hw),
             })
             if record:
                 trace_res, trace_err = res, fields.get("error") if res is None else None
@@ -243,7 +254,7 @@ class Sweep:
         if trace:
             title = f"slackswap plan: {profile.name} on {target.name}, budget {budget} ({budget_bytes:,} B)"
             traced = Traced(trace_res, trace_err, budget_bytes, title)
-        return Group(wl, profile.name, ka, budget, budget_bytes, rows, traced)
+        return Group(wl, profile.name, ka, budget, budget_bytes, rows, traced, state)
 
 
 # ---- a whole job ------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from .presets import load_workload_file, preset_spec, presets, workload_names, w
 from .spec import FFN_KINDS, NORM_PLACEMENTS, NORMS, ModelSpec, Parallel
 
 __all__ = ["FFN_KINDS", "NORMS", "NORM_PLACEMENTS", "PRESETS", "ModelSpec", "Parallel", "layer_activation_bytes",
-           "layer_forward_flops", "load_workload_file", "preset_spec", "presets", "region_params",
+           "layer_forward_flops", "load_workload_file", "model_params", "preset_spec", "presets", "region_params",
            "transformer_profile", "workload", "workload_names", "workloads_dir"]
 
 
@@ -103,6 +103,13 @@ def layer_forward_flops(spec: ModelSpec, par: Parallel = Parallel()) -> float:
 def layer_activation_bytes(spec: ModelSpec, par: Parallel = Parallel()) -> int:
     """Bytes saved for backward by one layer region on one rank (its input included)."""
     return sum(a.bytes for a in build_costs(spec, par, layers=[0], embed=False, head=False).saved)
+
+
+def model_params(spec: ModelSpec, par: Parallel = Parallel()) -> int:
+    """Weight elements of the whole model on one rank of a `par` cut (`region_params` of every
+    region, a tied embedding table counted once)."""
+    total = sum(region_params(spec, par).values())
+    return total - spec.vocab * spec.hidden // par.tp if spec.tied_embeddings else total
 
 
 def region_params(spec: ModelSpec, par: Parallel = Parallel(), *, layers: Iterable[int] | None = None,

@@ -36,6 +36,7 @@ class ModelSpec:
     rope: bool = False  # rotary position embedding applied to q and k (Llama)
     experts: int = 1  # mixture of experts: MLPs per layer (1 = a dense MLP)
     experts_per_token: int = 1  # MLPs each token is routed to (Mixtral: 2 of 8)
+    tied_embeddings: bool = False  # the LM head reuses the embedding table (GPT-2, BERT): one copy of its weights
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -64,7 +65,7 @@ class ModelSpec:
             problems.append(f"dropout must be a probability in [0, 1), got {d!r}")
         if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
             problems.append(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {self.dtype_bytes!r}")
-        for f in ("flash", "rope"):
+        for f in ("flash", "rope", "tied_embeddings"):
             if not isinstance(getattr(self, f), bool):
                 problems.append(f"{f} must be True or False, got {getattr(self, f)!r}")
         if not isinstance(self.source, str):
