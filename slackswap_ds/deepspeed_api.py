@@ -100,6 +100,25 @@ def config_given(args, config, config_params):
     return getattr(args, "deepspeed_config", None) if args is not None else None
 
 
+def config_file_of(section: dict, name: str) -> str | None:
+    """The JSON file on the command line whose `name` section is `section`, for a config that
+    arrived as a dict (the HF Trainer and Accelerate read the file the user named and pass its
+    contents): so that an error can name the file to fix."""
+    if section is None:
+        return None
+    for arg in sys.argv[1:]:
+        path = arg.split("=", 1)[-1]
+        if not path.endswith(".json") or not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                if json.load(f).get(name) == section:
+                    return path
+        except (OSError, ValueError, AttributeError):
+            continue
+    return None
+
+
 def initialize_without_section(ds_config, section: str, args, positional: tuple, kwargs: dict) -> tuple:
     """DeepSpeed's own `initialize(args, *positional, **kwargs)` with `ds_config` minus `section`
     as its only config. (DeepSpeed ignores unknown top-level keys, but it refuses a config both in
@@ -232,7 +251,7 @@ def offloads_parameters(engine) -> bool:
     return getattr(engine, "zero_offload_param", lambda: None)() is not None
 
 
-__all__ = ["MARK", "checkpointing_set_aside", "config_given", "hook_forward_backward", "hook_pipeline",
+__all__ = ["MARK", "checkpointing_set_aside", "config_file_of", "config_given", "hook_forward_backward", "hook_pipeline",
            "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
            "micro_batch_inputs", "offloads_parameters", "original_initialize", "partitions_parameters",
            "remember_original",

@@ -29,12 +29,12 @@ import weakref
 import torch
 
 from .agreement import AgreementError  # noqa: F401  (re-exported: callers catch it from here)
-from .config import SECTION, SlackSwapConfig, load_config
+from .config import SECTION, ConfigError, SlackSwapConfig, load_config
 from .errors import SlackSwapError
 from .coordination import Coordinator
-from .deepspeed_api import (MARK, config_given, hook_forward_backward, initialize_without_section,
+from .deepspeed_api import (MARK, config_file_of, config_given, hook_forward_backward, initialize_without_section,
                             is_pipeline_engine, remember_original)
-from .logs import EVERY_RANK, SayOnce, job_rank, log, setup_logging
+from .logs import EVERY_RANK, SayOnce, job_rank, log, said_once_per_job, setup_logging
 from .plan import Plan
 from .plans import PlanMaker
 from .reporting import StepReports, say_agreed_plan, say_own_plan, say_summary, summary_path, write_trace
@@ -55,7 +55,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     tuple (engine, optimizer, training_dataloader, lr_scheduler); the engine's forward/backward
     then follow SlackSwap plans. Without a section, or with `"enabled": false`, it is plain DeepSpeed."""
     ds_config = config_given(args, config, config_params)
-    cfg = load_config(ds_config if ds_config is not None else {})
+    try:
+        cfg = load_config(ds_config if ds_config is not None else {})
+    except ConfigError as e:  # every rank raises it alike: said once for the job, the file named if found
+        source = e.source or (config_file_of(ds_config.get(SECTION), SECTION) if isinstance(ds_config, dict) else None)
+        raise said_once_per_job(ConfigError(e.problems, source) if source != e.source else e) from None
     out = initialize_without_section(ds_config, SECTION, args,
                                      (model, optimizer, model_parameters, training_data, lr_scheduler, *rest), kwargs)
     engine = out[0]

@@ -51,6 +51,25 @@ def setup_logging(level: str) -> None:
     log.addFilter(RankZeroFilter(job_rank()))
 
 
+def said_once_per_job(error: BaseException) -> BaseException:
+    """`error`, which every rank of the job raises alike (a config mistake): if nothing catches it,
+    rank 0 prints it without a traceback and the other ranks print nothing, so the job's output says
+    it once instead of once per rank under a traceback each; the process exits with status 1 as
+    before. Other uncaught exceptions go to the hook that was there."""
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if value is not error:
+            return previous(kind, value, traceback)
+        if job_rank() == 0:
+            print(f"slackswap: error: {error}", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
+    return error
+
+
 class SayOnce:
     """Log each kind of message only the first time (`what` names the kind)."""
 
@@ -63,4 +82,4 @@ class SayOnce:
             log.log(level, message, *args, **kwargs)
 
 
-__all__ = ["EVERY_RANK", "RankZeroFilter", "SayOnce", "job_rank", "log", "setup_logging"]
+__all__ = ["EVERY_RANK", "RankZeroFilter", "SayOnce", "job_rank", "log", "said_once_per_job", "setup_logging"]

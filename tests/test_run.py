@@ -120,6 +120,22 @@ def test_every_rank_on_its_own_lengths_every_step_trains_exactly_within_budget(t
         assert re.search(r"recompute [1-9][\d,]* B", out_on)
 
 
+def test_a_config_typo_under_the_hf_trainer_fails_at_initialize_once_naming_the_file(tmp_path):
+    """The Trainer hands DeepSpeed the JSON's contents, not its path: the error finds the file on the
+    command line and names it; every rank stops at `initialize`, before a step, and the job's
+    output says it once (rank 0, no traceback), not once per rank under a traceback each."""
+    config = {**HF, "slackswap": {**SLACKSWAP, "activation_bugdet": 0.5}}
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps(config))
+    cmd = deepspeed_line(2, str(SCRIPTS / "hf_trainer.py"), "--deepspeed_config", str(path), "--losses",
+                         str(tmp_path / "losses.json"))
+    out = subprocess.run(cmd, cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         timeout=600).stdout
+    assert out.count(f'slackswap: error: invalid "slackswap" config in {path}: 1 problem') == 1, out[-3000:]
+    assert 'did you mean "activation_budget"?' in out and "Traceback" not in out and "'loss'" not in out
+    assert not (tmp_path / "losses.json").exists()
+
+
 # ---- ss.install() itself, in process -------------------------------------------------------------
 def test_install_routes_deepspeed_initialize_once_and_uninstall_restores_it():
     import deepspeed
