@@ -3,7 +3,7 @@
     python benchmarks/gpu_validate.py            # on a CUDA machine
     python benchmarks/gpu_validate.py --dry-run  # tiny shapes on CPU: checks the script itself
 
-Three parts, each printed as it finishes (a part that fails prints its error and the next runs):
+Four parts, each printed as it finishes (a part that fails prints its error and the next runs):
 
 1. the GPU tests: ``pytest tests/runtime/test_cuda.py tests/runtime/test_device.py`` (CUDA-only
    tests skip elsewhere);
@@ -14,7 +14,9 @@ Three parts, each printed as it finishes (a part that fails prints its error and
    the simulator's step time and peak for the same measured profile and plan;
 3. a model whose keep-all activations do not fit the GPU (GPT-2 XL shape, seq 1024, micro-batch
    16, bf16): 5 SGD steps under SlackSwap at 50% and 5 under full checkpointing from the same
-   weights and data, their losses side by side, and the throughput ratio SlackSwap / checkpointing.
+   weights and data, their losses side by side, and the throughput ratio SlackSwap / checkpointing;
+4. `activation_budget: "auto"` on this GPU: the allocator's room beside GPT-2 medium's model state
+   (after an Adam step), against the 16 B per parameter the CPU rule assumes.
 
 What "alloc peak" includes: every allocation made during the step (activations, gradients,
 workspaces, prefetched copies) above what was allocated before it (weights, optimizer state).
@@ -242,6 +244,27 @@ def part_xl(args, device, gpu: Gpu) -> None:
         say(f"  throughput ratio slackswap / full checkpointing: {b[0] / a[0]:.3f}")
 
 
+def part_auto(args, device, gpu: Gpu) -> None:
+    """An "auto" budget on this device: GPT-2 medium with Adam after one step (its state allocated),
+    the room the allocator reports beside it, and what the CPU rule (16 B per parameter) would say."""
+    from slackswap_ds.budget import auto_budget_bytes, model_state_bytes
+    from slackswap_ds.hardware import load_hardware
+    from slackswap_ds.machine import device_room
+
+    say("\n== 4. activation_budget \"auto\" ==")
+    layers, hidden, heads, seq = (24, 1024, 16, 1024) if not args.dry_run else (2, 64, 4, 32)
+    model = gpt2(layers, hidden, heads, seq, device, torch.bfloat16 if gpu.cuda else torch.float32,
+                 vocab=50257 if not args.dry_run else 128)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-5)
+    step(model, torch.randint(1, 128, (2, seq), device=device))
+    optimizer.step()
+    gpu.sync()
+    total, state, how = device_room(model, load_hardware(args.hardware), 0, 1)
+    params = sum(p.numel() for p in model.parameters())
+    say(f"  device {total:,} B; model state {state:,} B ({how}); 16 B per parameter would say "
+        f"{model_state_bytes(params):,} B; auto budget {auto_budget_bytes(total, state):,} B")
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
 
@@ -261,7 +284,7 @@ def main(argv=None) -> int:
     gpu = Gpu(device)
     say(f"gpu_validate on {gpu_name()}, torch {torch.__version__}")
     t0 = time.perf_counter()
-    parts = ([] if args.skip_tests or args.dry_run else [part_tests]) + [part_medium, part_xl]
+    parts = ([] if args.skip_tests or args.dry_run else [part_tests]) + [part_medium, part_xl, part_auto]
     for part in parts:
         try:
             part(args) if part is part_tests else part(args, device, gpu)

@@ -9,7 +9,10 @@ written the same way in the DeepSpeed config, on the command line and in the Pyt
 - a string is a size: ``"12GiB"``, ``"512MiB"``, ``"8GB"``, ``"1.5e9"`` (KiB/MiB/GiB/TiB are powers of
   two, KB/MB/GB/TB powers of ten, B or no unit is bytes);
 - a float > 1 (``1.5``, or ``8e9``, which JSON reads as a float) is refused: ``1.5`` is most likely a
-  mistaken fraction, and bytes are whole. Write bytes as an integer or a quoted size string.
+  mistaken fraction, and bytes are whole. Write bytes as an integer or a quoted size string;
+- ``"auto"``: what the device has room for beside the model state, less a margin
+  (`auto_budget_bytes`; the runtime measures the room with the allocator on a GPU, and takes the
+  hardware preset's memory less 16 B per parameter on a CPU).
 
 A fraction becomes bytes as ``int(fraction * keep_all_bytes)`` (`Budget.of`). Sizes (the host pool)
 follow the same rules without the fraction case. This module imports no torch.
@@ -84,14 +87,28 @@ def _parse_percentage(text: str) -> float:
     return percent / 100
 
 
-def parse_budget_value(value: Any) -> float | int:
-    """A budget from a JSON value or a string: a fraction of the keep-all peak (a float in (0, 1])
-    or bytes (an int > 1), by the rules of the module docstring. Raises ValueError("what is
+AUTO = "auto"  # the budget is what the device has room for (auto_budget_bytes)
+# kept free by an "auto" budget, of the device's memory: backward's own temporaries, the allocator's
+# fragmentation, communication buffers (a rule of thumb, not a measurement: say a number if it is wrong)
+AUTO_MARGIN = 0.10
+
+
+def auto_budget_bytes(device_bytes: float, state_bytes: float, margin: float = AUTO_MARGIN) -> int:
+    """An "auto" budget: the device's memory less the model state (weights, gradients, optimizer
+    state) and a margin of the device's memory; 0 if nothing is left."""
+    return max(0, int(device_bytes - state_bytes - margin * device_bytes))
+
+
+def parse_budget_value(value: Any) -> float | int | str:
+    """A budget from a JSON value or a string: a fraction of the keep-all peak (a float in (0, 1]),
+    bytes (an int > 1), or "auto", by the rules of the module docstring. Raises ValueError("what is
     wrong. Fix: ...")."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ValueError(f"not a budget. {BUDGET_FIX}")
     if isinstance(value, str):
         text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
         if text.endswith("%"):
             return _parse_percentage(text)
         try:
@@ -123,7 +140,7 @@ class Budget:
     """A parsed budget: `value` is a fraction of the keep-all peak (float) or bytes (int); `text`
     is how it was written (for messages)."""
 
-    value: float | int
+    value: float | int | str  # (str: AUTO)
     text: str = field(default="", compare=False)
 
     @classmethod
@@ -135,17 +152,28 @@ class Budget:
     def is_fraction(self) -> bool:
         return isinstance(self.value, float)
 
-    def of(self, keep_all_bytes: int) -> int:
-        """The budget in bytes for a step whose keep-all peak of saved activations is `keep_all_bytes`."""
+    @property
+    def is_auto(self) -> bool:
+        return self.value == AUTO
+
+    def of(self, keep_all_bytes: int, auto_bytes: int | None = None) -> int:
+        """The budget in bytes for a step whose keep-all peak of saved activations is `keep_all_bytes`
+        (`auto_bytes`: what an "auto" budget came to on this device, `auto_budget_bytes`)."""
         if isinstance(keep_all_bytes, bool) or not isinstance(keep_all_bytes, int) or keep_all_bytes < 0:
             raise ValueError(f"keep_all_bytes must be a non-negative int, got {keep_all_bytes!r}")
+        if self.is_auto:
+            if auto_bytes is None:
+                raise ValueError('an "auto" budget needs the device\'s room for activations (auto_bytes)')
+            return int(auto_bytes)
         return int(self.value * keep_all_bytes) if self.is_fraction else int(self.value)
 
     @property
-    def json_value(self) -> float | int:
-        return float(self.value) if self.is_fraction else int(self.value)
+    def json_value(self) -> float | int | str:
+        return self.value if self.is_auto else float(self.value) if self.is_fraction else int(self.value)
 
     def __str__(self) -> str:
+        if self.is_auto:
+            return AUTO
         return f"{self.value * 100:g}%" if self.is_fraction else f"{int(self.value) / 1e9:.2f} GB"
 
 
@@ -184,5 +212,5 @@ def model_state_bytes(params: int, zero: int = 0, dp: int = 1) -> int:
     return sum(-(-params * b // n) for b, n in zip((WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES), shard))
 
 
-__all__ = ["Budget", "budget_bytes", "model_state_bytes", "parse_budget_value", "parse_optional_size", "parse_size",
+__all__ = ["AUTO", "AUTO_MARGIN", "Budget", "auto_budget_bytes", "budget_bytes", "model_state_bytes", "parse_budget_value", "parse_optional_size", "parse_size",
            "resolve_budget"]

@@ -7,9 +7,8 @@
     }
 
 `load_config(ds_config)` takes the DeepSpeed config (a dict or a path to the JSON file) and returns a
-frozen `SlackSwapConfig`. A config without a ``"slackswap"`` section gives ``enabled=False``: users who
-did not ask for SlackSwap get plain DeepSpeed behaviour. An empty section ``{}`` turns it on with the
-defaults.
+frozen `SlackSwapConfig`. No ``"slackswap"`` section gives ``enabled=False`` (plain DeepSpeed); ``{}``
+turns it on with the defaults.
 
 Every problem in the section is reported at once, one line each, in one `ConfigError`; each line names
 the field (``slackswap.activation_budget``), what was found, and the fix. DeepSpeed ignores unknown
@@ -38,7 +37,6 @@ from .files import JSON_ERRORS, json_problem, refuse_unless_regular
 from .hardware import load_hardware, load_node, preset_names
 
 SECTION = "slackswap"
-
 __all__ = ["SECTION", "ConfigError", "SlackSwapConfig", "field_table", "load_config"]
 
 
@@ -87,13 +85,15 @@ class SlackSwapConfig(BaseModel):
         "`false` (plain DeepSpeed); an empty section `{}` turns it on with these defaults.",
         json_schema_extra=_doc("boolean", True),
     )
-    activation_budget: float | int = Field(
+    activation_budget: float | int | str = Field(
         0.5,
         description="Device memory allowed for saved activations at any instant. A number in (0, 1] is a "
         "fraction of the keep-all peak (`1` = the whole peak); an integer > 1 is bytes; a string is a size "
         '(`"12GiB"`, `"512MiB"`, `"8GB"`, `"1.5e9"`; KiB/MiB/GiB/TiB are powers of two, KB/MB/GB/TB powers '
-        'of ten) or a percentage (`"50%"`). A float > 1 (`1.5`, or `8e9`) is rejected as ambiguous.',
-        json_schema_extra=_doc("fraction, integer bytes or size string", 0.5),
+        'of ten) or a percentage (`"50%"`). A float > 1 (`1.5`, or `8e9`) is rejected as ambiguous. `"auto"`: '
+        "the device's free memory beside weights, gradients and optimizer state, less 10% of the device "
+        "(measured by the allocator on a GPU; on a CPU the `hardware` preset's memory less 16 B per parameter).",
+        json_schema_extra=_doc('fraction, integer bytes, size string or "auto"', 0.5),
     )
     hardware: str = Field(
         "auto",
@@ -258,7 +258,7 @@ class SlackSwapConfig(BaseModel):
     #    path and the value found) ------------------------------------------------------------------
     @field_validator("activation_budget", mode="before")
     @classmethod
-    def _budget(cls, v: Any) -> float | int:
+    def _budget(cls, v: Any) -> float | int | str:
         return parse_budget_value(v)
 
     @field_validator("host_pool_bytes_per_node", mode="before")

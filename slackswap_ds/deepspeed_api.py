@@ -246,6 +246,12 @@ def partitions_parameters(engine) -> bool:
     return stage is not None and stage() == 3
 
 
+def zero_sharding(engine) -> tuple[int, int]:
+    """(ZeRO stage, data-parallel ranks the model state is sharded over); (0, 1) for an engine without."""
+    stage = getattr(engine, "zero_optimization_stage", None)
+    return (int(stage()) if stage is not None else 0), int(getattr(engine, "dp_world_size", 1) or 1)
+
+
 def offloads_parameters(engine) -> bool:
     """ZeRO-Infinity parameter offload (`offload_param`) is on."""
     return getattr(engine, "zero_offload_param", lambda: None)() is not None
@@ -254,5 +260,5 @@ def offloads_parameters(engine) -> bool:
 __all__ = ["MARK", "checkpointing_set_aside", "config_file_of", "config_given", "hook_forward_backward", "hook_pipeline",
            "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
            "micro_batch_inputs", "offloads_parameters", "original_initialize", "partitions_parameters",
-           "remember_original",
+           "remember_original", "zero_sharding",
            "route_initialize", "stage_of", "stage_ranks", "unroute_initialize", "zero_offload_pinned_bytes"]

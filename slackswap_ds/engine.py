@@ -40,6 +40,7 @@ from .plans import PlanMaker
 from .reporting import StepReports, say_agreed_plan, say_own_plan, say_summary, summary_path, write_trace
 from .runtime.executor import Executor
 from .runtime.replay import ReplayError
+from .runtime.takeover import checkpointing_replaced
 from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
 from .shapes import Run, ShapeCache, ShapeKey, ShapeState, describe, model_dims, shape_key, shapes_of
@@ -276,7 +277,7 @@ class SlackSwapRuntime:
 
     def _make_plan(self, state: ShapeState, local, key: ShapeKey) -> None:
         self.shapes.add_base(key, local, self.model_dims)
-        budget = self.cfg.budget.of(local.total_bytes)
+        budget = self.plans.budget_for(local.total_bytes)
         if self.coordinator.shares is not None:  # agreed at the job's first plan: this rank plans alone
             try:
                 agreed = self.plans.plan_locally(local, budget, key)
@@ -298,6 +299,8 @@ class SlackSwapRuntime:
         else:
             say_agreed_plan(state, agreed, self.coordinator.shares, self.plans.hw, self.coordinator.via, channel.rank,
                             channel.world, self.device_type)
+        if checkpointing_replaced():  # HF gradient_checkpointing ran inline: what it held, what the plan holds
+            self.plans.say_replaced_checkpointing(local, budget)
         if record:
             # the prediction now; the first measured step beside it (same format, see _after_backward),
             # unless the trace could not be written
@@ -329,7 +332,7 @@ class SlackSwapRuntime:
     def _install_derived(self, key: ShapeKey, profile, base_key: ShapeKey) -> bool:
         state = self.shapes[key]
         try:
-            agreed = self.plans.plan_locally(profile, self.cfg.budget.of(profile.total_bytes), key, use_plan_file=False)
+            agreed = self.plans.plan_locally(profile, self.plans.budget_for(profile.total_bytes), key, use_plan_file=False)
         except SlackSwapError as e:
             log.info("slackswap rank %d: no plan for input shapes %s from a derived profile (%s); profiling them",
                      self.rank, shapes_of(key), e, extra=EVERY_RANK)

@@ -35,6 +35,24 @@ def resolve_hardware(name: str) -> Hardware:
     return load_hardware("a100-80g-pcie4")
 
 
+def device_room(module: torch.nn.Module, hw: Hardware, zero: int, dp: int) -> tuple[int, int, str]:
+    """(the device's memory, what the model state takes of it, how that was found) for an "auto"
+    budget. On a GPU the allocator says: what is allocated now (weights, gradients, optimizer state:
+    the step's saved tensors are gone by then) beside the device's total, and memory the allocator
+    holds unused counts as free. On a CPU the `hw` preset's memory, and the model state at 16 B per
+    parameter, sharded by ZeRO (budget.model_state_bytes)."""
+    from .budget import model_state_bytes
+
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(total), int(total - free - unused), "measured by the allocator"
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())  # (ZeRO-3: partitioned)
+    return int(hw.hbm_bytes), model_state_bytes(params, zero, dp), (
+        f"{hw.name}'s memory; model state at 16 B per parameter, ZeRO stage {zero} over {dp} rank(s)")
+
+
 def host_uplinks(node: str | None, hw: Hardware) -> tuple[Topology, float]:
     """(this node's Topology, the rate of one host uplink per direction): the `node` preset's;
     else discovered on a CUDA machine (a shared uplink taken as fast as one GPU's link); else (no

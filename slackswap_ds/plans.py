@@ -31,14 +31,15 @@ from . import planfile
 from .agreement import Channel, agree
 from .config import SlackSwapConfig
 from .coordination import Coordinator
-from .deepspeed_api import offloads_parameters, partitions_parameters, zero_offload_pinned_bytes
+from .budget import AUTO_MARGIN, auto_budget_bytes
+from .deepspeed_api import offloads_parameters, partitions_parameters, zero_offload_pinned_bytes, zero_sharding
 from .errors import BudgetInfeasibleError, PlanError
 from .hardware import Hardware
 from .logs import EVERY_RANK, log
-from .machine import resolve_hardware
+from .machine import device_room, resolve_hardware
 from .plan import Plan, lower
 from .planfile import MadeFor
-from .planners import PLANNERS, get_planner, keep_all_result, refusal
+from .planners import PLANNERS, PRIVATE, get_planner, keep_all_result, refusal
 from .planners.common import Planned, Share, fit_triggers, held_bytes, simulated
 from .profile import StepProfile
 from .runtime.device import Device
@@ -70,10 +71,12 @@ class PlanMaker:
     """Makes, agrees and installs one rank's plans (see the module docstring)."""
 
     def __init__(self, cfg: SlackSwapConfig, hw: Hardware, module: nn.Module, coordinator: Coordinator,
-                 offload_pinned_bytes: int | None = None, recompute: bool = True):
+                 offload_pinned_bytes: int | None = None, recompute: bool = True, zero: tuple[int, int] = (0, 1)):
         self.cfg, self.hw, self.module, self.coordinator = cfg, hw, module, coordinator
         self.offload_pinned_bytes = offload_pinned_bytes  # ZeRO-Offload's pinned host bytes per rank (None: off)
         self.recompute = recompute  # plans may recompute (not under ZeRO-3)
+        self.zero = zero  # (ZeRO stage, ranks the model state is sharded over)
+        self.auto_bytes: int | None = None  # an "auto" budget, found at the job's first plan
         self.holds = 1  # micro-batches whose saved tensors are held at once (a pipeline stage's: stages.py)
         self.pool: HostPool | None = None  # one HostPool for every shape's executor
 
@@ -91,7 +94,33 @@ class PlanMaker:
             log.info("slackswap: ZeRO-3 gathers each layer's parameters in hooks around its forward and backward "
                      "(collectives of the data-parallel group); a replay would gather them again on one rank "
                      "alone, so plans keep or swap saved tensors here, never recompute them")
-        return cls(cfg, hw, engine.module, Coordinator(cfg, hw), zero_offload_pinned_bytes(engine), recompute)
+        return cls(cfg, hw, engine.module, Coordinator(cfg, hw), zero_offload_pinned_bytes(engine), recompute,
+                   zero_sharding(engine))
+
+    def budget_for(self, keep_all_bytes: int) -> int:
+        """`activation_budget` in bytes for a step whose keep-all peak is `keep_all_bytes`; "auto" is
+        what the device has room for beside the model state, found once, at the job's first plan
+        (the optimizer has stepped by then: its state is allocated), and logged."""
+        if self.cfg.budget.is_auto and self.auto_bytes is None:
+            device, state, how = device_room(self.module, self.hw, *self.zero)
+            self.auto_bytes = auto_budget_bytes(device, state)
+            log.info("slackswap: activation_budget \"auto\" is %s B: the device's %s B less the model state's %s B "
+                     "(%s) and a margin of %d%% (%s B)", f"{self.auto_bytes:,}", f"{device:,}", f"{state:,}", how,
+                     round(100 * AUTO_MARGIN), f"{int(AUTO_MARGIN * device):,}")
+            if self.auto_bytes == 0:
+                raise BudgetInfeasibleError(f"activation_budget \"auto\": the model state ({state:,} B, {how}) "
+                                            f"leaves no room on the device's {device:,} B; shard it (ZeRO) or give "
+                                            f"activation_budget in bytes")
+        return self.cfg.budget.of(keep_all_bytes, self.auto_bytes)
+
+    def say_replaced_checkpointing(self, profile: StepProfile, budget: int) -> None:
+        """The model checkpoints its own layers (HF gradient_checkpointing) and SlackSwap took that
+        over: what the job had, and has now, in bytes of saved activations."""
+        full = get_planner("full-recompute")(self.plannable(profile), self.hw, profile.total_bytes, PRIVATE)
+        log.info("slackswap: this model's own activation checkpointing is replaced by the plan: keep-all %s B, "
+                 "budget %s B (activation_budget %s); the replaced checkpointing would have held %s B (every "
+                 "layer recomputed)", f"{profile.total_bytes:,}", f"{budget:,}", self.cfg.activation_budget,
+                 f"{full.result.peak_bytes:,}")
 
     def plannable(self, profile: StepProfile) -> StepProfile:
         """`profile` as planners may plan it: without recompute where plans may not recompute."""

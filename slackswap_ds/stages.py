@@ -211,7 +211,7 @@ class StageRuntime:
     def _plan_stage(self, state: ShapeState, local: StepProfile, key: ShapeKey, holds: int) -> None:
         self.plans.holds = holds
         channel = self.coordinator.job_channel()
-        budget = self.cfg.budget.of(holds * local.total_bytes)  # of the stage's keep-all peak
+        budget = self.plans.budget_for(holds * local.total_bytes)  # of the stage's keep-all peak
         if self.coordinator.shares is not None:  # agreed at the job's first plan: this rank plans alone
             self._plan_alone(state, local, key, budget)
             return

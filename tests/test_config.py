@@ -402,3 +402,19 @@ def test_one_budget_parser_for_config_command_line_and_api(written, want):
     assert resolve_budget(written, profile) == want
     if isinstance(written, str):
         assert parse_budget(written).of(profile.total_bytes) == want
+
+
+def test_an_auto_budget_is_resolved_by_the_device_not_by_the_keep_all_peak():
+    """`"auto"` (any case) parses everywhere a budget is read; it becomes bytes only with the room the
+    device has (`auto_budget_bytes`: its memory less the model state and a 10% margin), never from
+    the keep-all peak."""
+    from slackswap_ds.budget import AUTO_MARGIN, Budget, auto_budget_bytes
+
+    assert load_config({"slackswap": {"activation_budget": "AUTO"}}).activation_budget == "auto"
+    budget = Budget.parse("auto")
+    assert budget.is_auto and not budget.is_fraction and str(budget) == "auto" and budget.json_value == "auto"
+    with pytest.raises(ValueError, match="auto"):
+        budget.of(1000)
+    assert budget.of(1000, 123) == 123
+    assert AUTO_MARGIN == 0.10 and auto_budget_bytes(80e9, 24.88e9) == 47_120_000_000
+    assert auto_budget_bytes(80e9, 107.8e9) == 0

@@ -684,6 +684,60 @@ def test_the_job_summary_is_logged_and_written_as_json_when_the_job_ends(tmp_pat
     assert sum(": input shapes" in line for line in lines) == 2 and lines[-1] == f"slackswap summary: written to {path}"
 
 
+def test_an_auto_budget_is_what_a_stated_device_has_room_for_beside_the_model_state(tmp_path, caplog):
+    """On a CPU "auto" takes the hardware preset's memory as the device (here a hardware file that
+    states a small one), less the model state at 16 B per parameter and a 10% margin: the plan keeps
+    that budget, and the log shows the sum."""
+    import json
+    import logging
+
+    from slackswap_ds.budget import auto_budget_bytes
+
+    params = sum(p.numel() for p in _gpt2().parameters())
+    device = int((16 * params + 300_000) / 0.9)  # room for 300,000 B of saved activations, of 583,556 B keep-all
+    hw = json.loads((ROOT / "configs" / "hardware" / "a100-80g-pcie4.json").read_text())
+    hw["name"] = "small-gpu"
+    hw["params"]["hbm_bytes"] = {"value": float(device), "source": "stated by this test", "status": "unmeasured"}
+    (tmp_path / "small.json").write_text(json.dumps(hw))
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        runtime = _steps({"activation_budget": "auto", "hardware": str(tmp_path / "small.json")}, seqs=(16,) * 4)
+    (state,) = runtime.shapes.values()
+    expected = auto_budget_bytes(device, 16 * params)
+    assert 299_000 < expected <= 300_000 and state.plan.budget_bytes == expected
+    assert runtime.last_stats.peak_device_bytes <= expected < state.profile.total_bytes
+    said = [r.getMessage() for r in caplog.records if 'activation_budget "auto"' in r.getMessage()]
+    assert len(said) == 1 and f"is {expected:,} B: the device's {device:,} B less the model state's " \
+        f"{16 * params:,} B" in said[0] and "margin of 10%" in said[0]
+
+
+def test_taking_over_gradient_checkpointing_says_what_it_held_and_what_the_plan_holds(caplog):
+    """A model with Hugging Face gradient checkpointing on: SlackSwap runs its checkpoint calls inline
+    and says the three sizes: the keep-all peak, the budget, and what the checkpointing held (every
+    layer recomputed: the full-recompute plan's peak)."""
+    import logging
+    import re
+
+    import torch
+
+    from slackswap_ds.planners import PRIVATE, get_planner
+
+    model = _gpt2()
+    model.gradient_checkpointing_enable()
+    engine = _EngineShim(model)
+    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1}}))
+    runtime.attach()
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        for _ in range(3):
+            ids = torch.randint(1, 128, (2, 16))
+            engine.backward(engine.forward(input_ids=ids, labels=ids).loss)
+    (state,) = runtime.shapes.values()
+    (line,) = [r.getMessage() for r in caplog.records if "own activation checkpointing is replaced" in r.getMessage()]
+    keep_all, budget, held = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) B", line))
+    full = get_planner("full-recompute")(state.profile, runtime.plans.hw, keep_all, PRIVATE).result.peak_bytes
+    assert (keep_all, budget, held) == (state.profile.total_bytes, state.plan.budget_bytes, full)
+    assert held < budget < keep_all
+
+
 def test_other_ranks_say_only_what_differs():
     import logging
 

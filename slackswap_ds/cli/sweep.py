@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..budget import Budget, model_state_bytes
+from ..budget import Budget, auto_budget_bytes, model_state_bytes
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
 from ..pipeline import Job, StepResult, simulate_job
@@ -221,8 +221,9 @@ class Sweep:
 
     def _group(self, wl: Workload, profile: StepProfile, ka: SimResult, budget: Budget, trace: bool) -> Group:
         """Every planner at one budget; with `trace`, the slackswap step simulated with its events too."""
-        target, budget_bytes = self.target, budget.of(profile.total_bytes)
         state = model_state_bytes(model_params(wl.spec, self.par))  # one rank, no ZeRO: --dp/--zero for a job
+        target = self.target
+        budget_bytes = budget.of(profile.total_bytes, auto_budget_bytes(target.hw.hbm_bytes, state))
         rows: list[dict] = []
         trace_res = trace_err = None
         for planner in self.planners:

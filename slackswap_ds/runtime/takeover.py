@@ -40,6 +40,11 @@ _saved: dict[str, object] = {}
 _said: set[str] = set()
 
 
+def checkpointing_replaced() -> bool:
+    """Whether a model in this process called torch.utils.checkpoint under a plan (it ran inline)."""
+    return "torch-checkpoint" in _said
+
+
 def _say_once(what: str, message: str) -> None:
     if what not in _said:
         _said.add(what)
