@@ -48,7 +48,9 @@ def parse_size(text: str) -> int:
     number, unit = float(match.group(1)), match.group(2)
     if unit.lower() not in UNITS:
         raise ValueError(f"unknown unit {unit!r} (units: {UNIT_NAMES})")
-    if not math.isfinite(number) or number <= 0:
+    if not math.isfinite(number):
+        raise ValueError(f"{match.group(1)} is not a finite number")
+    if number <= 0:
         raise ValueError("a size must be positive")
     if unit == "" and number != int(number):
         raise ValueError(f"{number:g} is not a whole number of bytes")

@@ -23,7 +23,6 @@ This module imports no torch; the planner registry is imported only when a plann
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .budget import Budget, parse_budget_value, parse_optional_size
-from .errors import SlackSwapError
+from .errors import SlackSwapError, did_you_mean
 from .files import JSON_ERRORS, json_problem, refuse_unless_regular
 from .hardware import load_hardware, load_node, preset_names
 
@@ -56,15 +55,6 @@ class ConfigError(SlackSwapError, ValueError):
 # ---- the model ---------------------------------------------------------------------------------
 def _path_like(s: str) -> bool:
     return "/" in s or "\\" in s or s.endswith(".json") or s.startswith("~")
-
-
-def _did_you_mean(word: str, choices: list[str]) -> str:
-    """'did you mean "x"? ' for the closest choice (names that start with `word` first), or ''."""
-    prefixed = [c for c in choices if c.lower().startswith(word.lower())] if word else []
-    if len(prefixed) > 1:
-        return "did you mean one of " + ", ".join(f'"{c}"' for c in prefixed) + "? "
-    m = prefixed or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
-    return f'did you mean "{m[0]}"? ' if m else ""
 
 
 def _doc(type_doc: str, example: Any) -> dict:
@@ -285,7 +275,7 @@ class SlackSwapConfig(BaseModel):
                     f'"{v}" is a node preset, not a GPU. Fix: give the GPU of that node, one of: {", ".join(gpus)}'
                 )
             raise ValueError(
-                f"unknown hardware preset. Fix: {_did_you_mean(v, gpus)}valid presets: {', '.join(gpus)}, "
+                f"unknown hardware preset. Fix: {did_you_mean(v, gpus)}valid presets: {', '.join(gpus)}, "
                 '"auto", or a path to a hardware JSON file'
             )
         p = Path(v).expanduser()
@@ -316,7 +306,7 @@ class SlackSwapConfig(BaseModel):
         if not _path_like(v):
             if v in nodes:
                 return v
-            raise ValueError(f"unknown node preset. Fix: {_did_you_mean(v, nodes)}valid node presets: "
+            raise ValueError(f"unknown node preset. Fix: {did_you_mean(v, nodes)}valid node presets: "
                              f"{', '.join(nodes)}, a path to a node JSON file, or null")
         try:
             load_node(Path(v).expanduser())
@@ -332,7 +322,7 @@ class SlackSwapConfig(BaseModel):
 
         if v not in PLANNERS:
             names = list(PLANNERS)
-            raise ValueError(f"unknown planner. Fix: {_did_you_mean(v, names)}valid planners: {', '.join(names)}")
+            raise ValueError(f"unknown planner. Fix: {did_you_mean(v, names)}valid planners: {', '.join(names)}")
         return v
 
     @field_validator("plan_file", "trace_file", "summary_file")
@@ -393,7 +383,7 @@ def _problems(e: ValidationError, data: Any) -> list[str]:
         if err["type"] == "extra_forbidden":
             out[path] = (
                 f"{path}: unknown key; found \"{name}\": {_found(value, kind=False)}. Fix: "
-                f"{_did_you_mean(name, FIELDS)}valid keys: {', '.join(FIELDS)}"
+                f"{did_you_mean(name, FIELDS)}valid keys: {', '.join(FIELDS)}"
             )
             continue
         if not name:

@@ -1,6 +1,18 @@
 """Domain exceptions. Each message says what was expected, what was found, and what to do."""
 
 
+import difflib
+
+
+def did_you_mean(word: str, choices: list[str]) -> str:
+    """'did you mean "x"? ' for the closest choice (names that start with `word` first), or ''."""
+    prefixed = [c for c in choices if c.lower().startswith(word.lower())] if word else []
+    if len(prefixed) > 1:
+        return "did you mean one of " + ", ".join(f'"{c}"' for c in prefixed) + "? "
+    m = prefixed or difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return f'did you mean "{m[0]}"? ' if m else ""
+
+
 class SlackSwapError(Exception):
     """Base class of every error slackswap_ds raises on purpose."""
 
@@ -10,7 +22,8 @@ class UnknownNameError(SlackSwapError, KeyError):
 
     def __init__(self, kind: str, name: str, valid: list[str]):
         self.kind, self.name, self.valid = kind, name, sorted(valid)
-        super().__init__(f"unknown {kind} {name!r}; valid choices: {', '.join(self.valid)}")
+        super().__init__(f"unknown {kind} {name!r}; {did_you_mean(str(name), self.valid)}valid choices: "
+                         f"{', '.join(self.valid)}")
 
     def __str__(self) -> str:  # KeyError would otherwise quote the whole message
         return self.args[0]

@@ -77,6 +77,7 @@ class PlanMaker:
         self.recompute = recompute  # plans may recompute (not under ZeRO-3)
         self.zero = zero  # (ZeRO stage, ranks the model state is sharded over)
         self.auto_bytes: int | None = None  # an "auto" budget, found at the job's first plan
+        self.said_too_large = False  # a size budget above the device's memory was warned about
         self.holds = 1  # micro-batches whose saved tensors are held at once (a pipeline stage's: stages.py)
         self.pool: HostPool | None = None  # one HostPool for every shape's executor
 
@@ -111,7 +112,13 @@ class PlanMaker:
                 raise BudgetInfeasibleError(f"activation_budget \"auto\": the model state ({state:,} B, {how}) "
                                             f"leaves no room on the device's {device:,} B; shard it (ZeRO) or give "
                                             f"activation_budget in bytes")
-        return self.cfg.budget.of(keep_all_bytes, self.auto_bytes)
+        budget = self.cfg.budget.of(keep_all_bytes, self.auto_bytes)
+        if budget > self.hw.hbm_bytes and not self.cfg.budget.is_fraction and not self.said_too_large:
+            self.said_too_large = True  # (a size: it binds no step on this device)
+            log.warning("slackswap: activation_budget %s (%s B) is more than the device's memory (%s B, %s): it will "
+                        "not bound a step here; give a fraction of the keep-all peak, a smaller size, or \"auto\"",
+                        self.cfg.activation_budget, f"{budget:,}", f"{int(self.hw.hbm_bytes):,}", self.hw.name)
+        return budget
 
     def say_replaced_checkpointing(self, profile: StepProfile, budget: int) -> None:
         """The model checkpoints its own layers (HF gradient_checkpointing) and SlackSwap took that

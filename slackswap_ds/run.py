@@ -34,24 +34,45 @@ def main(argv: list[str] | None = None) -> None:
         passed.append(argv.pop(0))
         if passed[-1] == "--local_rank" and argv:
             passed.append(argv.pop(0))
-    if not argv or argv[0] in ("-h", "--help"):
-        raise SystemExit(f"{USAGE}\n\n{__doc__}")
+    if argv and argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__}")
+        raise SystemExit(0)
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        raise SystemExit(_usage_error("give a script or -m module to run"))
     from .routing import install
 
-    install()
     if argv[0] == "-m":
-        if len(argv) < 2:
-            raise SystemExit(USAGE)
         module, rest = argv[1], argv[2:]
+        if not _module_exists(module):
+            raise SystemExit(_usage_error(f"no module named {module!r} (is it installed, or on PYTHONPATH?)"))
+        install()
         sys.argv = [module] + passed + rest
         runpy.run_module(module, run_name="__main__", alter_sys=True)
         return
     script, rest = argv[0], argv[1:]
     if not os.path.exists(script):
-        raise SystemExit(f"slackswap_ds.run: no such script {script!r}\n{USAGE}")
+        raise SystemExit(_usage_error(f"no such script {script!r}"))
+    if os.path.isdir(script) and not os.path.exists(os.path.join(script, "__main__.py")):
+        raise SystemExit(_usage_error(f"{script!r} is a folder without a __main__.py to run"))
+    install()
     sys.argv = [script] + passed + rest
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
+
+
+def _usage_error(what: str) -> int:
+    """Say what is wrong and how to call this (stderr); the exit status of a usage error."""
+    print(f"slackswap_ds.run: error: {what}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def _module_exists(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package that is missing, or an empty name
+        return False
 
 
 if __name__ == "__main__":

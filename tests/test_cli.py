@@ -390,3 +390,10 @@ def test_simulate_says_whether_the_job_fits_the_gpu_and_its_tokens_per_second(ca
     assert all(r["model_state_bytes"] == 16 * 6_738_149_376 and r["fits"] is False for r in llama)
     assert main(["simulate", "-w", "llama-7b", "--planner", "full-recompute"]) == 0
     assert "the model state alone does not fit (shard it: --dp with --zero)" in capsys.readouterr().out
+
+
+def test_a_mistyped_name_gets_a_did_you_mean(capsys):
+    assert main(["simulate", "-w", "llama7b"]) == 2
+    assert 'unknown workload \'llama7b\'; did you mean "llama-7b"? valid choices:' in capsys.readouterr().err
+    assert main(["simulate", "-w", "bert-large", "-p", "slackswp"]) == 2
+    assert 'did you mean "slackswap"?' in capsys.readouterr().err

@@ -710,6 +710,15 @@ def test_an_auto_budget_is_what_a_stated_device_has_room_for_beside_the_model_st
         f"{16 * params:,} B" in said[0] and "margin of 10%" in said[0]
 
 
+def test_a_budget_larger_than_the_device_is_warned_about_once(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        _steps({"activation_budget": "200GB"}, seqs=(16, 16, 16, 24))
+    warned = [r.getMessage() for r in caplog.records if "more than the device's memory" in r.getMessage()]
+    assert len(warned) == 1 and "activation_budget 200000000000 (200,000,000,000 B)" in warned[0] and "80,000,000,000 B" in warned[0]
+
+
 def test_taking_over_gradient_checkpointing_says_what_it_held_and_what_the_plan_holds(caplog):
     """A model with Hugging Face gradient checkpointing on: SlackSwap runs its checkpoint calls inline
     and says the three sizes: the keep-all peak, the budget, and what the checkpointing held (every

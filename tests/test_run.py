@@ -184,3 +184,17 @@ def test_run_hands_the_script_its_arguments(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "slackswap_ds.run", str(tmp_path / "nope.py")], cwd=ROOT,
                              env=cpu_env(), capture_output=True, text=True, timeout=300)
     assert missing.returncode != 0 and "no such script" in missing.stderr
+
+
+@pytest.mark.parametrize("argv, rc, said", [
+    (["--help"], 0, "python -m slackswap_ds.run"),
+    ([], 2, "give a script or -m module to run"),
+    (["-m", "no_such_module_here"], 2, "no module named 'no_such_module_here'"),
+    (["FOLDER"], 2, "is a folder without a __main__.py to run"),
+])
+def test_the_module_launcher_says_what_is_wrong_without_a_traceback(tmp_path, argv, rc, said):
+    argv = [str(tmp_path) if a == "FOLDER" else a for a in argv]
+    out = subprocess.run([sys.executable, "-m", "slackswap_ds.run", *argv], cwd=ROOT, env=cpu_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == rc and said in (out.stdout if rc == 0 else out.stderr), out
+    assert "Traceback" not in out.stderr
