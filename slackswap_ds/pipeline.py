@@ -52,6 +52,7 @@ ADAM_BYTES_PER_PARAM = 30  # fused Adam reads fp32 master, grad, m, v (16 B), wr
 CPU_ADAM_BYTES_PER_PARAM = 28  # the same on the host, without the 16-bit copy
 GRAD_BYTES = 2  # gradients reduced and offloaded in 16 bits (DeepSpeed's communication_data_type for bf16/fp16)
 PINNED_OPTIMIZER_BYTES_PER_PARAM = 16  # ZeRO-Offload keeps fp32 master, m, v and gradient in pinned host memory
+MAX_JOB_DIM = 4096  # pp, dp and micro-batches a job may have here (published runs use at most a few hundred)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,9 @@ class Job:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{f} must be a positive integer, got {v!r}")
+            elif v > MAX_JOB_DIM:
+                problems.append(f"{f} {v} is over the simulator's limit of {MAX_JOB_DIM} (a step's schedule grows "
+                                f"with it: 4000 micro-batches take 22 s)")
         if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
             problems.append(f"zero must be 0, 1 or 2 (stage 3 shards parameters, which is not modelled), got {self.zero!r}")
         if self.offload_optimizer and self.zero == 0:

@@ -397,3 +397,16 @@ def test_a_mistyped_name_gets_a_did_you_mean(capsys):
     assert 'unknown workload \'llama7b\'; did you mean "llama-7b"? valid choices:' in capsys.readouterr().err
     assert main(["simulate", "-w", "bert-large", "-p", "slackswp"]) == 2
     assert 'did you mean "slackswap"?' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--micro-batches", "100000000", "--pp", "2"], "micro_batches 100000000 is over the simulator's limit of 4096"),
+    (["--layers", "100000"], "layers 100000 is over the simulator's limit of 1024"),
+])
+def test_sizes_the_simulator_cannot_handle_are_refused_at_once(capsys, argv, said):
+    """(100,000,000 micro-batches ran 54 s into a MemoryError; 100,000 layers past two minutes.)"""
+    import time
+
+    t0 = time.perf_counter()
+    assert main(["simulate", "-w", "gpt2-xl", *argv]) == 2
+    assert said in capsys.readouterr().err and time.perf_counter() - t0 < 10

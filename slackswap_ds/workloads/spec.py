@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..errors import ProfileError
 
 FFN_KINDS = ("gelu", "swiglu")
+MAX_LAYERS = 1024  # a model the simulator takes (its profile has ops per layer; GPT-3 has 96, PaLM 118)
 NORMS = ("layernorm", "rmsnorm")
 NORM_PLACEMENTS = ("pre", "post")
 
@@ -47,6 +48,9 @@ class ModelSpec:
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 problems.append(f"{f} must be a positive integer, got {v!r}")
+            elif f == "layers" and v > MAX_LAYERS:
+                problems.append(f"layers {v} is over the simulator's limit of {MAX_LAYERS} (a profile has ops "
+                                f"per layer; published models have at most a few hundred)")
         if not problems:
             if self.hidden % self.heads:
                 problems.append(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
