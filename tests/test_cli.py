@@ -410,3 +410,16 @@ def test_sizes_the_simulator_cannot_handle_are_refused_at_once(capsys, argv, sai
     t0 = time.perf_counter()
     assert main(["simulate", "-w", "gpt2-xl", *argv]) == 2
     assert said in capsys.readouterr().err and time.perf_counter() - t0 < 10
+
+
+def test_the_readmes_simulated_table_is_what_slackswap_simulate_prints(capsys):
+    """The README quotes `slackswap simulate`; its BERT-Large group (every planner, the MILP included)
+    is printed again here and must be the same, character for character (the simulator is
+    deterministic): a change to the cost model or a planner shows up as a stale README."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = readme.split("## The simulated table", 1)[1].split("```\n", 2)[1]
+    assert main(["simulate", "-w", "bert-large"]) == 0
+    printed = capsys.readouterr().out
+    assert block.split("\n\n")[0] == printed.split("\n\n")[0], "the README's table is stale: run slackswap simulate"

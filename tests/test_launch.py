@@ -198,3 +198,18 @@ def test_sbatch_builds_the_srun_deepspeed_and_mpirun_commands(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run([BASH, str(LAUNCH / "slurm.sbatch")], cwd=ROOT, capture_output=True, timeout=60, check=True,
                        env={**base, "LAUNCH": "pdsh"})
+
+
+def test_the_readme_opens_with_its_two_commands_and_ci_runs_the_second():
+    """The README's first code block is the two commands for a fresh machine (the main job on CPU,
+    then the tests); `.ci/run` runs the second; then come the contents, the quickstart and the
+    glossary the README promises."""
+    readme = (ROOT / "README.md").read_text()
+    first = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert len(first) == 2 and "launch/train.py --deepspeed_config configs/slackswap.json" in first[0]
+    assert first[1] == "python -m pip install -c configs/constraints-cpu.txt -e '.[test]' && python -m pytest"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "python -m pip install -q -c configs/constraints-cpu.txt -e '.[test]' && python -m pytest" in ci
+    headings = [line for line in readme.splitlines() if line.startswith("## ")]
+    assert headings[:3] == ["## Contents", "## Quickstart", "## Using it without changing your script"]
+    assert "## Glossary" in headings and headings.index("## Glossary") < headings.index("## Status")
