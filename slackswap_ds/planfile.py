@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import InvalidFileError
 from .files import read_json, write_atomically
-from .plan import Plan
+from .plan import PLAN_FORMAT, Plan
 
 FORMAT = "slackswap.planfile/1"
 
@@ -69,6 +69,11 @@ def read(path: str | Path) -> list[Entry]:
     if not path.exists():
         return []
     data = read_json(path, "plan_file", "; delete it to plan afresh")
+    if isinstance(data, dict) and data.get("format") == PLAN_FORMAT:
+        raise InvalidFileError(f"{str(path)!r} is one plan written by `slackswap plan` for a simulated workload (for "
+                               f"`ss.apply` or to inspect), not a job's plan_file: no job's measured step matches a "
+                               f"simulated profile. A job writes its own plan_file at the path you give it and reuses "
+                               f"it on the next run; point plan_file at a new path")
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("plans"), list):
         raise InvalidFileError(f"{str(path)!r} is not a slackswap plan file (expected a JSON object with \"format\": "
                                f"\"{FORMAT}\" and a list of \"plans\"); delete it to plan afresh")

@@ -102,3 +102,15 @@ def test_a_read_only_file_is_not_writable(tmp_path):
         assert not planfile.writable(path) and planfile.writable(tmp_path / "new.json")
     finally:
         path.chmod(0o644)
+
+
+def test_a_plan_from_slackswap_plan_is_told_apart_from_a_jobs_plan_file(tmp_path):
+    """`slackswap plan -o f` writes one plan of a simulated workload; given as a job's plan_file it
+    is named for what it is, and the message says how a job gets its plan_file."""
+    from slackswap_ds.cli import main
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "-w", "bert-large", "-b", "0.5", "--seq", "128", "--micro-batch", "2", "-o", str(path)]) == 0
+    with pytest.raises(InvalidFileError, match="written by `slackswap plan` for a simulated workload") as e:
+        planfile.read(path)
+    assert "A job writes its own plan_file" in str(e.value)

@@ -314,7 +314,10 @@ def _add_simulate_parser(sub) -> None:
 
 def _add_plan_parser(sub) -> None:
     pl = sub.add_parser("plan", help="make a plan and write it as JSON",
-                        description="Make one plan for a workload and budget and write it (Plan JSON).")
+                        description="Make one plan for a simulated workload and budget and write it (Plan JSON): "
+                        "to inspect what a planner decides, or for ss.apply on a profile of that workload. It is "
+                        "not a plan_file for a training job: a job plans its own measured steps, and writes and "
+                        "reuses its plan_file itself.")
     pl.add_argument("--workload", "-w", metavar="W", help=f"workload preset ({', '.join(workload_names())})")
     pl.add_argument("--model", action="append", metavar="CONFIG",
                     help="instead of --workload: a Hugging Face config.json, with --seq and --micro-batch")
