@@ -123,7 +123,9 @@ def _guard(original):
 def _has_section(args: tuple, kwargs: dict) -> bool:
     """Whether the config given to `deepspeed.initialize(args=None, ..., config=None,
     config_params=None)` has a "slackswap" section (a dict, or the path of a JSON file)."""
-    config = kwargs.get("config", kwargs.get("config_params"))
+    config = kwargs.get("config")
+    if config is None:
+        config = kwargs.get("config_params")
     if config is None:
         namespace = kwargs.get("args", args[0] if args else None)
         config = getattr(namespace, "deepspeed_config", None)

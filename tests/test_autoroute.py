@@ -38,12 +38,13 @@ def test_this_environment_has_the_hook_and_deepspeed_gets_the_guard_at_import():
 @pytest.mark.parametrize("call, expected", [
     (((), {"config": SECTION}), True),
     (((), {"config_params": SECTION}), True),
+    (((), {"config": None, "config_params": SECTION}), True),
     (((argparse.Namespace(deepspeed_config="FILE"),), {}), True),
     (((), {"args": argparse.Namespace(deepspeed_config="FILE")}), True),
     (((), {"config": {"train_micro_batch_size_per_gpu": 1}}), False),
     (((), {"config": "/nonexistent/ds.json"}), False),  # DeepSpeed says what is wrong with it
     (((None,), {}), False),
-], ids=["config", "config_params", "args", "args-keyword", "no-section", "unreadable", "nothing"])
+], ids=["config", "config_params", "config-None", "args", "args-keyword", "no-section", "unreadable", "nothing"])
 def test_the_guard_finds_the_section_wherever_deepspeed_takes_its_config(tmp_path, call, expected):
     (tmp_path / "ds.json").write_text(json.dumps(SECTION))
 
