@@ -144,7 +144,7 @@ def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_els
 
 def test_plan_file_that_is_corrupt_or_foreign_is_refused(tmp_path):
     path = tmp_path / "plans.json"
-    for text, match in [("{ not json", "cannot read plan_file"), ('{"format": "slackswap.plan/1"}', "not a slackswap")]:
+    for text, match in [("{ not json", "cannot read plan_file"), ('{"format": "slackswap.plan/1"}', "not a job's plan_file")]:
         path.write_text(text)
         with pytest.raises(InvalidFileError, match=match):
             _steps({"plan_file": str(path)})

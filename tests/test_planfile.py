@@ -51,7 +51,8 @@ def test_round_trip_and_one_entry_per_input_shape(tmp_path):
 
 
 @pytest.mark.parametrize("text, match", [("{ nope", "cannot read plan_file"),
-                                         ('{"format": "slackswap.plan/1"}', "not a slackswap plan file"),
+                                         ('{"format": "slackswap.plan/1"}', "one plan written by `slackswap plan`"),
+                                         ('{"format": "slackswap.planfile/0"}', "not a slackswap plan file"),
                                          ('{"format": "slackswap.planfile/1", "plans": [{"made_for": {}}]}',
                                           "made_for")])
 def test_a_malformed_file_is_refused_with_the_reason(tmp_path, text, match):
