@@ -214,5 +214,5 @@ def model_state_bytes(params: int, zero: int = 0, dp: int = 1) -> int:
     return sum(-(-params * b // n) for b, n in zip((WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES), shard))
 
 
-__all__ = ["AUTO", "AUTO_MARGIN", "Budget", "auto_budget_bytes", "budget_bytes", "model_state_bytes", "parse_budget_value", "parse_optional_size", "parse_size",
-           "resolve_budget"]
+__all__ = ["AUTO", "AUTO_MARGIN", "Budget", "auto_budget_bytes", "budget_bytes", "model_state_bytes",
+           "parse_budget_value", "parse_optional_size", "parse_size", "resolve_budget"]

@@ -257,7 +257,8 @@ def offloads_parameters(engine) -> bool:
     return getattr(engine, "zero_offload_param", lambda: None)() is not None
 
 
-__all__ = ["MARK", "checkpointing_set_aside", "config_file_of", "config_given", "hook_forward_backward", "hook_pipeline",
+__all__ = ["MARK", "checkpointing_set_aside", "config_file_of", "config_given", "hook_forward_backward",
+           "hook_pipeline",
            "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
            "micro_batch_inputs", "offloads_parameters", "original_initialize", "partitions_parameters",
            "remember_original", "zero_sharding",

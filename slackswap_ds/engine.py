@@ -39,6 +39,7 @@ from .plan import Plan
 from .plans import PlanMaker
 from .reporting import StepReports, say_agreed_plan, say_own_plan, say_summary, summary_path, write_trace
 from .runtime.executor import Executor
+from .runtime.device import device_of
 from .runtime.replay import ReplayError
 from .runtime.takeover import checkpointing_replaced
 from .runtime.stats import StepStats
@@ -116,7 +117,7 @@ class SlackSwapRuntime:
         self.module = self.engine.module
         self.plans = PlanMaker.for_engine(self.engine, self.cfg)
         self.model_dims = model_dims(self.module)
-        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        self.device_type = device_of(self.module).type
         self.reports = StepReports(self.cfg, self.plans.hw, self.device_type)
         hook_forward_backward(self.engine, self._before_forward, self._before_backward, self._after_backward)
         self.engine.slackswap = self
@@ -231,8 +232,8 @@ class SlackSwapRuntime:
         if isinstance(error, ReplayError):  # a later step's replay failed: its plan is demoted already
             log.error("slackswap rank %d: step %d cannot give exact gradients: %s. Its backward raised (stop, or "
                       "skip this batch: the next steps keep or swap what failed). A data-parallel job stops here: "
-                      "its other ranks fail or wait in their gradient collective until the launcher ends the job", self.rank,
-                      self.steps, error, extra=EVERY_RANK)
+                      "its other ranks fail or wait in their gradient collective until the launcher ends the job",
+                      self.rank, self.steps, error, extra=EVERY_RANK)
             return
         if key is None:  # the shelter: no plan, its saved tensors were on host
             stats, self.active_plan = context.stats.last_step, None

@@ -9,6 +9,7 @@ import os
 import torch
 
 from .hardware import Hardware, load_hardware, load_node
+from .runtime.device import device_of
 from .topology import Topology
 
 log = logging.getLogger("slackswap_ds")
@@ -43,7 +44,7 @@ def device_room(module: torch.nn.Module, hw: Hardware, zero: int, dp: int) -> tu
     parameter, sharded by ZeRO (budget.model_state_bytes)."""
     from .budget import model_state_bytes
 
-    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    device = device_of(module)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)

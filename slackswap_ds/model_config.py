@@ -22,8 +22,8 @@ What is not modelled, and what that means for the bytes
   the window, and HF's eager path applies the window as a mask over a full s x s score tensor. Only the
   attention FLOPs (so the op times) are over-counted, and only when ``seq`` exceeds the window.
 * Attention/MLP biases (Qwen2's qkv bias), RoPE scaling and norm epsilons do not change the bytes saved for
-  backward and are ignored; tied embeddings (``tie_word_embeddings``) only count the model's parameters once. A ``head_dim`` other than ``hidden_size / num_attention_heads``
-  changes every attention tensor and is rejected.
+  backward and are ignored; tied embeddings (``tie_word_embeddings``) only count the model's parameters once.
+  A ``head_dim`` other than ``hidden_size / num_attention_heads`` changes every attention tensor and is rejected.
 * The head is the workload model's (final norm, LM head over the vocabulary, cross-entropy): BERT's MLM
   transform and NSP heads are not modelled (as for the ``bert-large`` preset).
 * ``qwen3`` (per-head q/k RMSNorm, an explicit head_dim) and ``roberta`` (``max_position_embeddings`` counts

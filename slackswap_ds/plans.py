@@ -248,8 +248,8 @@ class PlanMaker:
         sim = simulate(lower(profile, plan), self.coordinator.shares.own.limit(self.hw),
                        budget_bytes=plan.budget_bytes - held, record=False)
         state.profile, state.plan, state.prediction = profile, plan, self._prediction(profile, sim, held)
-        log.info("slackswap: now running plan %s (re-planned without the recomputes that did not replay exactly; %s), predicted %.1f%% "
-                 "of ideal, peak %s B of %s B", plan.digest[:12], plan_summary(plan, profile),
+        log.info("slackswap: now running plan %s (re-planned without the recomputes that did not replay exactly; "
+                 "%s), predicted %.1f%% of ideal, peak %s B of %s B", plan.digest[:12], plan_summary(plan, profile),
                  100 * state.prediction.throughput, f"{state.prediction.peak_bytes:,}", f"{plan.budget_bytes:,}",
                  extra=EVERY_RANK)
         return True

@@ -174,7 +174,8 @@ def say_summary(data: dict, path: str | None) -> None:
                  f"{row['peak_bytes']:,}", f"{row['budget_bytes']:,}", f"{row['keep_all_bytes'] or 0:,}",
                  f"{row['swapped_bytes_per_step']:,}", f"{row['recomputed_bytes_per_step']:,}")
     if len(shapes) > 8:
-        log.info("slackswap summary: ... and %d more input shapes%s", len(shapes) - 8, f" (all in {path})" if path else "")
+        log.info("slackswap summary: ... and %d more input shapes%s", len(shapes) - 8,
+                 f" (all in {path})" if path else "")
     if data["fallbacks"]:
         log.info("slackswap summary: saved tensors not placed as planned: %s",
                  ", ".join(f"{n} x {why}" for why, n in sorted(data["fallbacks"].items())))

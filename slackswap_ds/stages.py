@@ -46,6 +46,7 @@ from .plans import PlanMaker, plan_summary
 from .profile import StepProfile
 from .reporting import StepReports, measured_on
 from .runtime.executor import Executor
+from .runtime.device import device_of
 from .runtime.stats import StepStats
 from .runtime.profiler import ProfileSession
 from .shapes import Run, ShapeCache, ShapeKey, ShapeState, shape_key, shapes_of
@@ -95,7 +96,7 @@ class StageRuntime:
     def attach(self) -> None:
         self.module = self.engine.module
         self.plans = PlanMaker.for_engine(self.engine, self.cfg)
-        self.device_type = next((p.device.type for p in self.module.parameters()), "cpu")
+        self.device_type = device_of(self.module).type
         self.reports = StepReports(self.cfg, self.plans.hw, self.device_type)
         self.stage, self.members = stage_of(self.engine), stage_ranks(self.engine)
         self.group_communicator = self.coordinator.split(self.stage)  # MPI: a collective, now (every rank alive)

@@ -33,7 +33,12 @@ import torch
 
 from ..errors import SlackSwapError
 
-__all__ = ["CopyHandle", "Device", "DeviceError", "DeviceStats", "TorchAccelerator"]
+__all__ = ["CopyHandle", "Device", "DeviceError", "DeviceStats", "TorchAccelerator", "device_of"]
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """The device a model computes on: its first parameter's (the CPU for a model without any)."""
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 class DeviceError(SlackSwapError, ValueError):

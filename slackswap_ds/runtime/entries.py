@@ -116,8 +116,7 @@ class Entries:
                 # a derived plan's prediction fell short: kept or regenerated in backward, the tensor
                 # could push the step over its budget; on the host it cannot
                 return _to_host(step, "larger than its derived size")
-        cap = step.program.cap
-        if planned.decision is Decision.KEEP and cap is not None and self.residency.bytes + nbytes > cap:
+        if planned.decision is Decision.KEEP and self.residency.over(step.program.cap, nbytes):
             return _to_host(step, "over its derived plan's budget if kept")
         if planned.decision is Decision.RECOMPUTE and writer is None:
             return _to_host(step, "recompute of a tensor its layer call did not make")

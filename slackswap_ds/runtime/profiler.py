@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..profile import Activation, Op, StepProfile
+from .device import device_of
 from .executor import Executor
 from .stats import StepStats
 from .naming import is_gap
@@ -54,7 +55,7 @@ class ProfileSession:
     def __init__(self, model: nn.Module, *, timer: Callable[[], float] | None = None, pool=None,
                  keep_bytes: int = 0):
         self.model = model
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        device = device_of(model)
         # the tracer asks for the region while the step runs, when the executor exists
         self.tracer = StepTracer(lambda: self.executor.region, timer or _sync_timer(device), device.type)
         self.executor = Executor.profiling(model, self.tracer, keep_bytes=keep_bytes, pool=pool)

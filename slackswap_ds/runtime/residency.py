@@ -42,6 +42,11 @@ class Residency:
             if self.timeline is not None:
                 self.timeline.resident(self.bytes)
 
+    def over(self, cap: int | None, nbytes: int) -> bool:
+        """Whether `nbytes` more on the device would pass `cap` (None: no cap: a derived plan's budget,
+        held at run time, program.py)."""
+        return cap is not None and self.bytes + nbytes > cap
+
     def drop_resident(self, entry: Entry) -> None:
         """`entry`'s storage has left the device."""
         if entry.resident:

@@ -148,15 +148,15 @@ class Steps:
         if timeline is not None:
             self.stats.last_timeline = timeline.close(stats.peak_device_bytes)
             self.residency.timeline = None
+        demoted = None
         if step.verifying:
             demoted = self.verifier.closed(step)
-            if demoted is not None:
-                self.set_program(demoted)
-                self.stats.demotions.append(dict(step.failures))
-            elif stats.verified is None and step.program is self.program:
+            if demoted is None and stats.verified is None and step.program is self.program:
                 self.verify_again()  # nothing was compared: no verdict yet, the next step checks
-        elif step.failures and step.program is self.program:  # a later replay failed (and raised):
-            self.set_program(self.verifier.demote(step.program, step.failures))  # never again
+        elif step.failures and step.program is self.program:  # a later replay failed (and raised)
+            demoted = self.verifier.demote(step.program, step.failures)
+        if demoted is not None:  # what failed is never recomputed again
+            self.set_program(demoted)
             self.stats.demotions.append(dict(step.failures))
         for why, n in stats.fallbacks.items():
             if why not in self._warned:

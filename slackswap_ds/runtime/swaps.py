@@ -70,14 +70,13 @@ class Swaps:
 
     def prefetch(self, step: Step, position: int) -> None:
         """Backward has reached profile op `position`: issue the copy-ins whose trigger it passed."""
-        cap = step.program.cap  # a derived plan's budget, held at run time (program.py)
         with no_dispatch():
             while step.triggers and step.triggers[0][0] > position:
                 for key in step.triggers.pop(0)[1]:
                     entry = step.by_key.get(key)
                     if entry is not None and entry.decision is Decision.SWAP and entry.storage is None \
                             and entry.buffer is not None and entry.holders > 0:
-                        if cap is not None and self.residency.bytes + entry.nbytes > cap:
+                        if self.residency.over(step.program.cap, entry.nbytes):
                             step.stats.fallback("a prefetch over its derived plan's budget: copied in when read")
                             continue
                         self.copy_in(entry)

@@ -1,6 +1,7 @@
 """tests/adoption/hf_padding.py (HF Trainer, every rank on its own lengths) with the random planners
 registered (random_planners.py). Run through tests/launch/in_turn.py."""
 
-from random_planners import ROOT, script
+from in_turn import load_script
+from random_planners import ROOT
 
-main = script(ROOT / "tests" / "adoption" / "hf_padding.py").main
+main = load_script(ROOT / "tests" / "adoption" / "hf_padding.py").main

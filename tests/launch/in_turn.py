@@ -30,16 +30,23 @@ def mark(text: str) -> None:
     torch.distributed.barrier()
 
 
+def load_script(path: Path):
+    """The training script at `path`, loaded as a module (its main(argv) is a run), its own folder
+    on the path first, as `python script.py` has it."""
+    sys.path.insert(0, str(path.resolve().parent))
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("script")
     p.add_argument("runs")
     p.add_argument("--local_rank", type=int, default=0)  # DeepSpeed's launcher passes it
     args = p.parse_args()
-    sys.path.insert(0, str(Path(args.script).resolve().parent))  # its own imports, as `python script.py` finds them
-    spec = importlib.util.spec_from_file_location(Path(args.script).stem, args.script)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script(Path(args.script))
     runs = json.loads(Path(args.runs).read_text())
     deepspeed.init_distributed()  # as the script's main does; its own call then finds the group made
     leave = torch.distributed.destroy_process_group

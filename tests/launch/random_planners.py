@@ -6,7 +6,6 @@ name), their budget the keep-all peak: for exactness checks of any plan under De
 from __future__ import annotations
 
 import functools
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -26,11 +25,3 @@ def plan_random(seed, profile, hw, budget_bytes, share=PRIVATE, holds=1):
 for _seed in (1, 2, 3):
     planners.PLANNERS[f"random-{_seed}"] = functools.partial(plan_random, _seed)
 
-
-def script(path: Path):
-    """The training script at `path`, loaded as a module (its main(argv) run by in_turn.py)."""
-    sys.path.insert(0, str(path.parent))  # its own imports, as `python script.py` finds them
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

@@ -1,6 +1,7 @@
 """launch/train.py with the random planners registered (random_planners.py). Run through
 tests/launch/in_turn.py like train.py itself."""
 
-from random_planners import ROOT, script
+from in_turn import load_script
+from random_planners import ROOT
 
-main = script(ROOT / "launch" / "train.py").main
+main = load_script(ROOT / "launch" / "train.py").main
