@@ -48,7 +48,7 @@ The map, one line per module (README.md, "What is in the box", says more):
     stages          per-stage plans under DeepSpeed's PipelineEngine
     routing, run    ss.install() / ss.uninstall(); python -m slackswap_ds.run
     autoroute       the start-up hook (setup.py's .pth): a config with a section routed at deepspeed.initialize
-    cli/            `slackswap simulate | plan`: arguments and printing; sweep
+    cli/            `slackswap simulate | plan`: arguments and printing; sweep; job_plans (plan --plan-file)
 
 The runtime names below (`apply`, `profile_step`, `initialize`, ...) are imported on first use.
 """

@@ -178,7 +178,8 @@ class SlackSwapConfig(BaseModel):
         "and dtypes, profile structure, budget, hardware, planner, node share, world layout). A plan is reused "
         "only where all of these match; otherwise the reason is logged and the shape is planned afresh (see "
         "`plan_file_mismatch`). Rank 0 writes it atomically; a read-only file is used and never rewritten. Its "
-        "folder must exist. `null`: plan in memory only.",
+        "folder must exist. `null`: plan in memory only. Each entry keeps the step's profile too: `slackswap plan "
+        "--plan-file` plans it again offline.",
         json_schema_extra=_doc("path or null", "slackswap-plan.json"),
     )
     plan_file_mismatch: Literal["replan", "error"] = Field(

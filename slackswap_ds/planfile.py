@@ -23,6 +23,7 @@ from pathlib import Path
 from .errors import InvalidFileError
 from .files import read_json, write_atomically
 from .plan import PLAN_FORMAT, Plan
+from .profile import StepProfile
 
 FORMAT = "slackswap.planfile/1"
 
@@ -59,8 +60,28 @@ class MadeFor:
 
 @dataclass(frozen=True)
 class Entry:
+    """A plan and what it was made for, with the profile it was made from: the job's measured step
+    (files written before profiles were kept have none), so that `slackswap plan --plan-file`
+    can plan that step again offline, with another planner or budget."""
+
     made_for: MadeFor
     plan: Plan
+    profile: StepProfile | None = None
+
+    def to_json(self) -> dict:
+        return {"made_for": self.made_for.to_json(), "plan": self.plan.to_json(),
+                **({"profile": self.profile.to_json()} if self.profile is not None else {})}
+
+    @classmethod
+    def from_json(cls, d: dict, path: Path) -> "Entry":
+        if not isinstance(d, dict):
+            raise InvalidFileError(f"malformed plan_file {str(path)!r}: an entry is not an object")
+        made_for = MadeFor.from_json(d.get("made_for", {}))
+        profile = StepProfile.from_json(d["profile"]) if d.get("profile") is not None else None
+        if profile is not None and profile.structure_digest != made_for.structure:
+            raise InvalidFileError(f"malformed plan_file {str(path)!r}: the entry for {made_for.inputs} holds a "
+                                   f"profile of another step than the one its plan was made for")
+        return cls(made_for, Plan.from_json(d.get("plan")), profile)
 
 
 def read(path: str | Path) -> list[Entry]:
@@ -73,16 +94,12 @@ def read(path: str | Path) -> list[Entry]:
         raise InvalidFileError(f"{str(path)!r} is one plan written by `slackswap plan` for a simulated workload (for "
                                f"`ss.apply` or to inspect), not a job's plan_file: no job's measured step matches a "
                                f"simulated profile. A job writes its own plan_file at the path you give it and reuses "
-                               f"it on the next run; point plan_file at a new path")
+                               f"it on the next run (point plan_file at a new path); `slackswap plan --plan-file "
+                               f"JOB_FILE` plans a job's measured steps again, offline")
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("plans"), list):
         raise InvalidFileError(f"{str(path)!r} is not a slackswap plan file (expected a JSON object with \"format\": "
                                f"\"{FORMAT}\" and a list of \"plans\"); delete it to plan afresh")
-    entries = []
-    for item in data["plans"]:
-        if not isinstance(item, dict):
-            raise InvalidFileError(f"malformed plan_file {str(path)!r}: an entry is not an object")
-        entries.append(Entry(MadeFor.from_json(item.get("made_for", {})), Plan.from_json(item.get("plan"))))
-    return entries
+    return [Entry.from_json(item, path) for item in data["plans"]]
 
 
 def find(entries: list[Entry], made_for: MadeFor) -> tuple[Entry | None, list[str]]:
@@ -107,8 +124,7 @@ def writable(path: str | Path) -> bool:
 def write(path: str | Path, entries: list[Entry]) -> None:
     """Write `entries` atomically, never through a link (files.write_atomically)."""
     path = Path(path)
-    data = {"format": FORMAT, "plans": [{"made_for": e.made_for.to_json(), "plan": e.plan.to_json()}
-                                        for e in entries]}
+    data = {"format": FORMAT, "plans": [e.to_json() for e in entries]}
     write_atomically(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 

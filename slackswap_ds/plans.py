@@ -202,7 +202,7 @@ class PlanMaker:
         if planned is None:
             planned = self.fit_to_device(local, self.within_budget(local, budget, self.cfg.planner, share), share)
             if made_for is not None:
-                self.save_plan(made_for, planned.plan)
+                self.save_plan(planfile.Entry(made_for, planned.plan, local))
         return planned
 
     # ---- installing it -----------------------------------------------------------------------------
@@ -273,7 +273,7 @@ class PlanMaker:
         return MadeFor(
             inputs=describe(key), structure=profile.structure_digest, budget_bytes=int(budget),
             hardware=f"{self.hw.name} {self.hw.digest}", planner=self.cfg.planner,
-            share=f"d2h {share.d2h_bps} h2d {share.h2d_bps} pool {share.host_pool_bytes}",
+            share=share.describe(),
             world=f"{self.coordinator.job_channel().world} ranks, {self.coordinator.shares.node_ranks} per node")
 
     def load_plan(self, profile: StepProfile, made_for: MadeFor, share: Share) -> Planned | None:
@@ -292,6 +292,7 @@ class PlanMaker:
             except PlanError as e:
                 raise PlanError(f"plan_file {path!r} does not fit this model's step: {e}; delete it to re-plan") from None
             planned = simulated(profile, entry.plan.rebuilt(profile), self.hw, share, self.holds)
+            planned = self.fit_to_device(profile, planned, share)  # (a plan made offline, for streams)
             why = self._over_budget(planned, made_for.budget_bytes)
         if why:
             message = f"plan_file {path!r} has no plan made for this job ({'; '.join(why)})"
@@ -299,8 +300,9 @@ class PlanMaker:
                 raise PlanError(message + '; delete the file, or set "plan_file_mismatch": "replan"')
             log.warning("slackswap: %s: planning afresh", message)
             return None
-        if planned is not None:
-            log.info("slackswap: using the plan in plan_file %s (%s)", path, planned.plan.digest[:12])
+        if planned is not None:  # (its digest is the file's, rebuilt: this step's own measured times)
+            log.info("slackswap: using the plan in plan_file %s (%s there; %s as rebuilt for this step)", path,
+                     entry.plan.digest[:12], planned.plan.digest[:12])
         return planned
 
     @staticmethod
@@ -314,8 +316,8 @@ class PlanMaker:
             return [f"its plan peaks at {planned.peak_bytes:,} B, over the budget of {budget:,} B"]
         return []
 
-    def save_plan(self, made_for: MadeFor, plan: Plan) -> None:
-        """Add the plan to plan_file (atomically; rank 0 only); a read-only file is left as it is."""
+    def save_plan(self, entry: planfile.Entry) -> None:
+        """Add the entry to plan_file (atomically; rank 0 only); a read-only file is left as it is."""
         path = self.cfg.plan_file
         if not path:
             return
@@ -323,7 +325,7 @@ class PlanMaker:
             log.info("slackswap: plan_file %s is read-only: used as it is, not updated", path)
             return
         try:
-            planfile.write(path, planfile.upsert(planfile.read(path), planfile.Entry(made_for, plan)))
+            planfile.write(path, planfile.upsert(planfile.read(path), entry))
         except OSError as e:  # the plan is made and agreed: losing the file must not stop training
             log.warning("slackswap: could not write plan_file %s (%s); the plan is used, not saved", path, e)
 

@@ -4,6 +4,7 @@ no test depends on a planner's throughput number (planners keep improving)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -423,3 +424,42 @@ def test_the_readmes_simulated_table_is_what_slackswap_simulate_prints(capsys):
     assert main(["simulate", "-w", "bert-large"]) == 0
     printed = capsys.readouterr().out
     assert block.split("\n\n")[0] == printed.split("\n\n")[0], "the README's table is stale: run slackswap simulate"
+
+
+def test_plan_from_a_jobs_plan_file_says_what_it_cannot_do(tmp_path, capsys):
+    """`slackswap plan --plan-file`: each way it cannot plan a job's steps again is one line naming
+    the fix (the round trip through a job: tests/test_engine.py)."""
+    from conftest import two_region_profile
+
+    from slackswap_ds import planfile
+    from slackswap_ds.planfile import Entry, MadeFor
+
+    profile, hw = two_region_profile(), load_hardware("a100-80g-pcie4")
+    plan = Plan.build(profile, {a.key: Decision.KEEP for a in profile.activations}, budget_bytes=profile.total_bytes,
+                      hardware_digest=hw.digest, planner="slackswap")
+    made_for = MadeFor(inputs="(2, 16) torch.int64", structure=profile.structure_digest,
+                       budget_bytes=profile.total_bytes, hardware=f"{hw.name} {hw.digest}", planner="slackswap",
+                       share="d2h None h2d None pool None", world="1 ranks, 1 per node")
+    job, out = tmp_path / "job.json", str(tmp_path / "out.json")
+
+    def error(argv: list[str], entries: list[Entry] | None = None) -> str:
+        if entries is not None:
+            planfile.write(job, entries)
+        assert main(["plan", "--plan-file", str(job), *argv, "-o", out]) == 2
+        return capsys.readouterr().err
+
+    assert "no plan file" in error([])
+    assert "has no plans yet" in error([], [])
+    assert "without the step's profile" in error([], [Entry(made_for, plan)])
+    other = dataclasses.replace(made_for, hardware="my-gpu 0123456789abcdef")
+    assert "give its JSON file with --hardware" in error([], [Entry(other, plan, profile)])
+    entries = [Entry(made_for, plan, profile)]
+    assert "is not the hardware the job planned for" in error(["--hardware", "h100-pcie5"], entries)
+    assert "leave -b out" in error(["-b", "auto"])
+    assert "give no --workload" in error(["-w", "bert-large"])
+    assert "give no --workload" in error(["--seq", "8"])
+    # and a plan it can make: the job's budget and planner unless told otherwise
+    assert main(["plan", "--plan-file", str(job), "-p", "full-recompute", "-o", out]) == 0
+    (entry,) = planfile.read(out)
+    assert entry.made_for == dataclasses.replace(made_for, planner="full-recompute") and entry.profile == profile
+    assert entry.plan.keys(Decision.RECOMPUTE) and '"planner": "full-recompute"' in capsys.readouterr().out

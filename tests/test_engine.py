@@ -142,6 +142,62 @@ def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_els
         _steps({"plan_file": str(path), "activation_budget": 0.7, "plan_file_mismatch": "error"})
 
 
+def test_a_jobs_plan_file_planned_again_by_slackswap_plan_is_adopted_by_the_next_job(tmp_path, caplog, capsys):
+    """A job writes its plan_file (each plan with the step it measured); `slackswap plan --plan-file`
+    plans those steps again offline with another planner and budget; a job with that planner and
+    budget adopts the file's plans (no planner runs; its plans are the file's), loss and every
+    gradient equal to the model without SlackSwap, every planned step within the file's budget."""
+    import logging
+
+    import torch
+
+    from slackswap_ds import planfile
+    from slackswap_ds.cli import main
+
+    first, second = tmp_path / "job.json", tmp_path / "offline.json"
+    seqs = (16, 16, 16, 24, 24, 24)
+    _steps({"plan_file": str(first), "derive_shapes": False}, seqs=seqs)
+    assert main(["plan", "--plan-file", str(first), "-p", "recompute-knapsack", "-b", "0.6", "-o", str(second)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("recompute-knapsack plan for inputs (2, ") == 2
+    assert 'a job adopts these plans with "plan_file": ' in printed and '"activation_budget": 0.6' in printed
+    offline = {e.made_for.inputs: e for e in planfile.read(second)}
+    assert {e.made_for.planner for e in offline.values()} == {"recompute-knapsack"}
+    assert all(e.made_for.budget_bytes == int(0.6 * e.profile.total_bytes) for e in offline.values())
+
+    def run(config: dict | None):
+        model = _gpt2()
+        engine = _EngineShim(model)
+        runtime = None
+        if config is not None:
+            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                          "profile_steps": 1, **config}}))
+            runtime.attach()
+        torch.manual_seed(1)
+        losses, peaks = [], []
+        for seq in seqs:
+            ids = torch.randint(1, 128, (2, seq))
+            loss = engine.forward(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            losses.append(loss.item())
+            if runtime is not None and runtime.active_plan is not None:
+                peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes))
+        return losses, [p.grad for p in model.parameters()], runtime, peaks
+
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        losses, grads, runtime, peaks = run({"plan_file": str(second), "derive_shapes": False,
+                                             "planner": "recompute-knapsack", "activation_budget": 0.6})
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum(f"using the plan in plan_file {second}" in m for m in messages) == 2, messages
+    assert not any("has no plan made for this job" in m for m in messages)
+    assert all(any(f"({e.plan.digest[:12]} there; " in m for m in messages) for e in offline.values())
+    assert sorted(s.plan.decisions for s in runtime.shapes.values()) == \
+        sorted(e.plan.decisions for e in offline.values())
+    assert len(peaks) == 3 and all(peak <= budget for peak, budget in peaks), peaks
+    plain_losses, plain_grads, _, _ = run(None)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
 def test_plan_file_that_is_corrupt_or_foreign_is_refused(tmp_path):
     path = tmp_path / "plans.json"
     for text, match in [("{ not json", "cannot read plan_file"), ('{"format": "slackswap.plan/1"}', "not a job's plan_file")]:

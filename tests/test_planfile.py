@@ -115,3 +115,26 @@ def test_a_plan_from_slackswap_plan_is_told_apart_from_a_jobs_plan_file(tmp_path
     with pytest.raises(InvalidFileError, match="written by `slackswap plan` for a simulated workload") as e:
         planfile.read(path)
     assert "A job writes its own plan_file" in str(e.value)
+
+
+def test_an_entry_keeps_the_profile_its_plan_was_made_from_and_refuses_another(tmp_path):
+    profile = two_region_profile()
+    path = tmp_path / "plans.json"
+    entry = Entry(made_for(structure=profile.structure_digest), a_plan(), profile)
+    planfile.write(path, [entry])
+    (back,) = planfile.read(path)
+    assert back == entry and back.profile.digest == profile.digest
+    data = json.loads(path.read_text())
+    data["plans"][0]["made_for"]["structure"] = "another step"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidFileError, match="profile of another step"):
+        planfile.read(path)
+
+
+def test_a_share_is_written_and_read_back_exactly():
+    from slackswap_ds.planners.common import Share
+
+    for share in (Share(), Share(12.5e9, 1 / 3 * 1e10, 1 << 30), Share(None, 7.0, None)):
+        assert Share.parse(share.describe()) == share
+    with pytest.raises(ValueError, match="not a share"):
+        Share.parse("d2h fast")

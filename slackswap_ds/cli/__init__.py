@@ -6,6 +6,7 @@
                        [--overlap-comm] [--json] [--trace FILE] [--plot FILE]
     slackswap plan (--workload W | --model config.json) --budget B [--hardware H | --node N] [--planner P]
                    [--tp T [--sp]] -o plan.json
+    slackswap plan --plan-file JOB_FILE [--budget B] [--planner P] -o plan_file.json
 
 With --pp, --dp, --zero, --micro-batches, --offload-optimizer or --overlap-comm, `simulate` simulates a
 whole job (`pipeline.simulate_job`): one table per workload and budget, with each stage's plan.
@@ -24,14 +25,17 @@ import argparse
 import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
+from .. import planfile
 from ..budget import Budget
 from ..errors import SlackSwapError
 from ..hardware import load_hardware, load_node, preset_names
 from ..planners import PLANNERS, get_planner, keep_all_result
 from ..report import job_table, paper_line, plan_summary, sweep_header, sweep_table
 from ..workloads import Parallel, preset_spec, presets, workload_names
+from .job_plans import replan, say
 from .sweep import (Group, Sweep, Target, Traced, Workload, job_row, native_stdout_to_stderr,
                     simulate_job_planners)
 
@@ -225,7 +229,13 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
 
 # ---- plan --------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
-    get_planner(args.planner)
+    if args.planner is not None:
+        get_planner(args.planner)
+    if args.plan_file is not None:
+        return _plan_job_file(args)
+    args.planner = args.planner or "slackswap"
+    if args.budget is None:
+        raise SlackSwapError("give --budget B (a fraction of the keep-all peak, or a size)")
     if _is_job(args):
         raise SlackSwapError("slackswap plan makes one rank's plan; for a job across stages use slackswap simulate --pp")
     if args.workload is None and not args.model:
@@ -253,6 +263,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan_summary(args.planner, plan, profile, target.name, args.budget, budget_bytes, res, args.output),
           file=summary_out)
     return 0 if res.feasible else 1
+
+
+def _plan_job_file(args: argparse.Namespace) -> int:
+    """`slackswap plan --plan-file JOB_FILE -o OUT`: the job's measured steps planned again (job_plans.py)."""
+    shaped = (args.seq, args.micro_batch, args.layers, args.tp, args.sp) != (None, None, None, 1, False)
+    if args.workload is not None or args.model or args.node or shaped or _is_job(args):
+        raise SlackSwapError("--plan-file plans the steps a job measured, as it ran them (its hardware, node share "
+                             "and shapes): give no --workload, --model, --node, shape or job layout with it")
+    if args.output == "-":
+        raise SlackSwapError("--plan-file writes a plan file for a job: give -o FILE")
+    if not Path(args.plan_file).is_file():
+        raise SlackSwapError(f"no plan file {args.plan_file!r}: a job writes one at its plan_file path")
+    entries = planfile.read(args.plan_file)
+    with native_stdout_to_stderr():
+        replanned = replan(entries, args.planner, args.budget, args.hardware)
+    try:
+        planfile.write(args.output, [r.entry for r in replanned])
+    except OSError as e:
+        raise SlackSwapError(f"cannot write plan file {args.output!r}: {e}") from e
+    for r in replanned:
+        print(say(r, args.output))
+    planners = sorted({r.entry.made_for.planner for r in replanned})
+    budget = json.dumps(args.budget.json_value) if args.budget is not None else "(as the job had it)"
+    print(f"a job adopts these plans with \"plan_file\": {json.dumps(args.output)}, \"planner\": "
+          f"{' or '.join(json.dumps(p) for p in planners)}, \"activation_budget\": {budget}")
+    return 0 if all(r.result.feasible for r in replanned) else 1
 
 
 # ---- parser ------------------------------------------------------------------------------------
@@ -317,13 +353,18 @@ def _add_plan_parser(sub) -> None:
                         description="Make one plan for a simulated workload and budget and write it (Plan JSON): "
                         "to inspect what a planner decides, or for ss.apply on a profile of that workload. It is "
                         "not a plan_file for a training job: a job plans its own measured steps, and writes and "
-                        "reuses its plan_file itself.")
+                        "reuses its plan_file itself. With --plan-file, it plans a job's measured steps again "
+                        "(another planner or budget, offline) and writes a plan_file the job adopts.")
     pl.add_argument("--workload", "-w", metavar="W", help=f"workload preset ({', '.join(workload_names())})")
     pl.add_argument("--model", action="append", metavar="CONFIG",
                     help="instead of --workload: a Hugging Face config.json, with --seq and --micro-batch")
-    pl.add_argument("--budget", "-b", required=True, type=parse_budget, metavar="B",
+    pl.add_argument("--plan-file", metavar="JOB_FILE",
+                    help="instead of --workload: plan again the steps a job measured, from its plan_file (the "
+                         "job's hardware and node share; -b and -p default to the job's); -o then writes a "
+                         "plan_file that a job with that planner and activation_budget adopts")
+    pl.add_argument("--budget", "-b", type=parse_budget, metavar="B",
                     help="activation budget: fraction of the keep-all peak or a size (12GiB)")
-    pl.add_argument("--planner", "-p", default="slackswap", metavar="P",
+    pl.add_argument("--planner", "-p", metavar="P",
                     help=f"planner (default slackswap; {', '.join(PLANNERS)})")
     _add_common_options(pl)
     pl.add_argument("--output", "-o", required=True, metavar="FILE", help="where to write the plan ('-' = stdout)")

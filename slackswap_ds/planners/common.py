@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -54,6 +55,21 @@ class Share:
         pool = host_pool_bytes if host_pool_bytes is not None else int(node.host_bytes)
         uplinks = [node.switch_of(g) for g in range(node.gpus)]
         return split_node(uplinks, [None] * node.gpus, node.gpu, node.switch_uplink_bps, pool)[0]
+
+    def describe(self) -> str:
+        """`d2h <B/s> h2d <B/s> pool <bytes>` ("None" where unlimited): how a plan file records the
+        share its plan was made on (planfile.MadeFor.share); `parse` reads it back exactly."""
+        return f"d2h {self.d2h_bps} h2d {self.h2d_bps} pool {self.host_pool_bytes}"
+
+    @classmethod
+    def parse(cls, text: str) -> "Share":
+        """The share `describe` wrote; ValueError if `text` is not one."""
+        match = re.fullmatch(r"d2h (\S+) h2d (\S+) pool (\S+)", text)
+        if match is None:
+            raise ValueError(f"not a share: {text!r} (expected 'd2h <B/s> h2d <B/s> pool <bytes>')")
+        d2h, h2d, pool = (None if v == "None" else v for v in match.groups())
+        return cls(None if d2h is None else float(d2h), None if h2d is None else float(h2d),
+                   None if pool is None else int(pool))
 
     def limit(self, hw: Hardware) -> Hardware:
         """`hw` as this rank sees it: every copy rate capped by its share of the link. Planners
