@@ -159,7 +159,7 @@ def test_a_jobs_plan_file_planned_again_by_slackswap_plan_is_adopted_by_the_next
     _steps({"plan_file": str(first), "derive_shapes": False}, seqs=seqs)
     assert main(["plan", "--plan-file", str(first), "-p", "recompute-knapsack", "-b", "0.6", "-o", str(second)]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("recompute-knapsack plan for inputs (2, ") == 2
+    assert printed.count("recompute-knapsack plan for input shapes (2, ") == 2
     assert 'a job adopts these plans with "plan_file": ' in printed and '"activation_budget": 0.6' in printed
     offline = {e.made_for.inputs: e for e in planfile.read(second)}
     assert {e.made_for.planner for e in offline.values()} == {"recompute-knapsack"}
