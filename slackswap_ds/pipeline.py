@@ -35,6 +35,7 @@ Every rate comes from the hardware presets; the step is deterministic.
 
 from __future__ import annotations
 
+import bisect
 import functools
 
 from dataclasses import dataclass, field
@@ -176,13 +177,19 @@ def simulate_pipeline(fwd_s: list[float], bwd_s: list[float], micro_batches: int
 def stage_peaks(events: tuple[PipeEvent, ...], kept: list[int], peak: list[int]) -> list[int]:
     """Each stage's peak device activation bytes over the step's events: the micro-batches whose
     forward ended and whose backward has not keep `kept` bytes each; a running one adds its `peak`."""
-    out = [0] * len(kept)
-    for i in range(len(kept)):
-        mine = [e for e in events if e.stage == i]
+    out, by_stage = [0] * len(kept), [[] for _ in kept]
+    for e in events:
+        by_stage[e.stage].append(e)
+    for i, mine in enumerate(by_stage):
         f_end = {e.micro_batch: e.end for e in mine if e.kind == "F"}
         b_end = {e.micro_batch: e.end for e in mine if e.kind == "B"}
+        # held at t: forward ended by t and backward not (a backward ends after its forward), so
+        # #(forward ends <= t) - #(backward ends <= t), counted by bisection: linear in micro-batches
+        f_ends, b_ends = sorted(f_end.values()), sorted(b_end.values())
         for e in mine:
-            held = sum(1 for j, t in f_end.items() if j != e.micro_batch and t <= e.start < b_end[j])
+            held = bisect.bisect_right(f_ends, e.start) - bisect.bisect_right(b_ends, e.start)
+            j = e.micro_batch
+            held -= j in f_end and f_end[j] <= e.start < b_end[j]  # (its own micro-batch is `peak`)
             out[i] = max(out[i], held * kept[i] + peak[i])
     return out
 

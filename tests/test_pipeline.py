@@ -200,3 +200,30 @@ def test_pipeline_node_benchmark_prints_both_policies(capsys):
     assert pipeline_node.main() == 0
     out = capsys.readouterr().out
     assert out.count("per stage") == len(pipeline_node.FRACTIONS) + 1 and out.count("one plan") == 3
+
+
+def test_stage_peaks_count_the_micro_batches_held_as_their_definition_does():
+    """stage_peaks counts held micro-batches by bisection (linear in micro-batches); here against
+    the definition, micro-batch by micro-batch, on random 1F1B steps."""
+    import random
+
+    from slackswap_ds.pipeline import simulate_pipeline, stage_peaks
+
+    def by_definition(events, kept, peak):
+        out = [0] * len(kept)
+        for i in range(len(kept)):
+            mine = [e for e in events if e.stage == i]
+            f_end = {e.micro_batch: e.end for e in mine if e.kind == "F"}
+            b_end = {e.micro_batch: e.end for e in mine if e.kind == "B"}
+            for e in mine:
+                held = sum(1 for j, t in f_end.items() if j != e.micro_batch and t <= e.start < b_end[j])
+                out[i] = max(out[i], held * kept[i] + peak[i])
+        return out
+
+    rng = random.Random(0)
+    for _ in range(200):
+        p, m = rng.randint(1, 6), rng.randint(1, 24)
+        fwd = [rng.choice([0.5, 1.0, 2.0, rng.random()]) for _ in range(p)]
+        events = simulate_pipeline(fwd, [f * rng.choice([1, 2, 3]) for f in fwd], m, rng.choice([0.0, 0.1, 1.0]))
+        kept, peak = [rng.randint(0, 99) for _ in range(p)], [rng.randint(0, 99) for _ in range(p)]
+        assert stage_peaks(events, kept, peak) == by_definition(events, kept, peak), (p, m)
