@@ -22,9 +22,7 @@ plans instead (stages.py).
 
 from __future__ import annotations
 
-import atexit
 import logging
-import weakref
 
 import torch
 
@@ -34,10 +32,10 @@ from .errors import SlackSwapError
 from .coordination import Coordinator
 from .deepspeed_api import (MARK, config_file_of, config_given, hook_forward_backward, initialize_without_section,
                             is_pipeline_engine, remember_original)
-from .logs import EVERY_RANK, SayOnce, job_rank, log, said_once_per_job, setup_logging
+from .logs import EVERY_RANK, SayOnce, log, said_once_per_job, setup_logging
 from .plan import Plan
 from .plans import PlanMaker
-from .reporting import StepReports, say_agreed_plan, say_own_plan, say_summary, summary_path, write_trace
+from .reporting import StepReports, at_exit, say_agreed_plan, say_own_plan, write_trace
 from .runtime.executor import Executor
 from .runtime.device import device_of
 from .runtime.replay import ReplayError
@@ -98,7 +96,6 @@ class SlackSwapRuntime:
         self.reports: StepReports | None = None
         self.profiled_steps = 0  # steps this rank profiled (a new shape without a derivable plan)
         self.derived_plans = 0  # plans this rank derived for new shapes instead (derive.py)
-        self.summarized = False  # end_of_job ran
 
     # views for users and tests (the services own these)
     @property
@@ -121,18 +118,12 @@ class SlackSwapRuntime:
         self.reports = StepReports(self.cfg, self.plans.hw, self.device_type)
         hook_forward_backward(self.engine, self._before_forward, self._before_backward, self._after_backward)
         self.engine.slackswap = self
-        me = weakref.ref(self)  # the summary when the process exits, without keeping the runtime alive
-        atexit.register(lambda: me() is not None and me().end_of_job())
+        at_exit(self.end_of_job)
 
     def end_of_job(self) -> dict | None:
         """The job's summary (logged by rank 0, written as JSON by it: `summary_file`), once; run
         when the process exits, or by a script that wants it earlier. None if no step ran."""
-        if self.steps == 0 or self.summarized:
-            return None
-        self.summarized = True
-        data = self.reports.summary.data(profiled_steps=self.profiled_steps, derived_plans=self.derived_plans)
-        say_summary(data, summary_path(self.cfg) if job_rank() == 0 else None)  # (the process group may be gone)
-        return data
+        return self.reports.end_of_job(profiled_steps=self.profiled_steps, derived_plans=self.derived_plans)
 
     # ---- per step ----------------------------------------------------------------------------
     def _before_forward(self, args: tuple, kwargs: dict) -> dict:

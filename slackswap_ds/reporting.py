@@ -5,17 +5,19 @@ traces of the predicted and the first measured step (`trace_file`)."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
 import statistics
 import time
+import weakref
 from typing import Mapping
 
 from .config import SlackSwapConfig
 from .files import write_atomically
 from .hardware import Hardware
-from .logs import EVERY_RANK, log
+from .logs import EVERY_RANK, job_rank, log
 from .plan import Plan
 from .plans import Agreed, plan_summary
 from .shapes import Prediction, ShapeState
@@ -32,6 +34,7 @@ class StepReports:
     def __init__(self, cfg: SlackSwapConfig, hw: Hardware, device_type: str = "cuda"):
         self.cfg, self.hw, self.device_type = cfg, hw, device_type
         self.summary = JobSummary()
+        self.summarized = False  # end_of_job ran
         self.last: float | None = None  # when the previous step's backward ended (of any kind)
         self.reported = False  # the job's first planned step has been reported
         self._start()
@@ -47,6 +50,22 @@ class StepReports:
         now = time.perf_counter()
         seconds, self.last = (now - self.last if self.last is not None else None), now
         return seconds
+
+    def end_of_job(self, stage: int | None = None, lead: bool = False, **counters: int) -> dict | None:
+        """The job's summary (`counters`: the runtime's own, JobSummary.data), once (then None; None
+        if no step ran). Rank 0 says it and writes it as JSON (`summary_file`); under pipeline
+        parallelism each stage's first rank (`lead`) says its stage's, and stages after the first
+        write `<summary>.stage<i>.json` beside the summary file."""
+        if self.summarized or not sum(self.summary.counts.values()):
+            return None
+        self.summarized = True
+        data = self.summary.data(**counters) | ({} if stage is None else {"stage": stage})
+        if stage is None or lead:
+            path = summary_path(self.cfg)
+            if path and stage:
+                path = trace_path(path, f"stage{stage}")
+            say_summary(data, path if stage is not None or job_rank() == 0 else None)  # (the group may be gone)
+        return data
 
     def unplanned(self, kind: str, peak_bytes: int, fallbacks: Mapping[str, int]) -> None:
         """A warm-up, profiled or shelter step ended."""
@@ -154,38 +173,48 @@ class JobSummary:
                 "planned_steps_over_budget": self.over_budget, "fallbacks": dict(self.fallbacks), "shapes": shapes}
 
 
+def at_exit(end_of_job) -> None:
+    """`end_of_job` (a runtime's bound method) runs when the process exits, unless the runtime is
+    gone by then: the summary without keeping the runtime alive."""
+    method = weakref.WeakMethod(end_of_job)
+    atexit.register(lambda: method() is not None and method()())
+
+
 def say_summary(data: dict, path: str | None) -> None:
-    """Log the summary (rank 0), and write it to `path` as JSON if given (a warning if it cannot be)."""
-    steps, times = data["steps"], data["median_step_ms"]
-    counted = ", ".join(f"{n} {kind}" for kind, n in steps.items() if n)
-    log.info("slackswap summary: %d steps (%s; %d plan(s) derived for new input shapes without a profiled step); "
-             "%s", sum(steps.values()), counted, data.get("derived_plans", 0),
-             "every planned step within its plan's budget" if not data["planned_steps_over_budget"] else
-             f"{data['planned_steps_over_budget']} planned step(s) over their plan's budget")
+    """Log the summary (rank 0; a stage's first rank under pipeline parallelism, with `data["stage"]`),
+    and write it to `path` as JSON if given (a warning if it cannot be)."""
+    stage = data.get("stage")
+    head, extra = ("slackswap summary: ", None) if stage is None else (f"slackswap stage {stage} summary: ", EVERY_RANK)
+    steps, times, shapes = data["steps"], data["median_step_ms"], data["shapes"]
+    over = data["planned_steps_over_budget"]
+    lines = [f"{sum(steps.values())} steps ({', '.join(f'{n} {kind}' for kind, n in steps.items() if n)}; "
+             f"{data.get('derived_plans', 0)} plan(s) derived for new input shapes without a profiled step); "
+             + (f"{over} planned step(s) over their plan's budget" if over else
+                "every planned step within its plan's budget")]
     if times:
-        log.info("slackswap summary: median step time (wall clock, optimizer included): %s",
-                 ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in times.items()))
-    log.info("slackswap summary: peak of saved activations on the device: %s",
-             ", ".join(f"{kind} {b:,} B" for kind, b in data["peak_saved_bytes"].items()))
-    shapes = data["shapes"]
+        lines.append("median step time (wall clock, optimizer included): "
+                     + ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in times.items()))
+    lines.append("peak of saved activations on the device: "
+                 + ", ".join(f"{kind} {b:,} B" for kind, b in data["peak_saved_bytes"].items()))
     for row in shapes[:8]:
-        log.info("slackswap summary: input shapes %s: plan %s (%s), %d steps, peak %s B of budget %s B (keep-all %s "
-                 "B), per step swapped %s B, recomputed %s B", row["shapes"], row["plan"], row["planner"], row["steps"],
-                 f"{row['peak_bytes']:,}", f"{row['budget_bytes']:,}", f"{row['keep_all_bytes'] or 0:,}",
-                 f"{row['swapped_bytes_per_step']:,}", f"{row['recomputed_bytes_per_step']:,}")
+        lines.append(f"input shapes {row['shapes']}: plan {row['plan']} ({row['planner']}), {row['steps']} steps, "
+                     f"peak {row['peak_bytes']:,} B of budget {row['budget_bytes']:,} B (keep-all "
+                     f"{row['keep_all_bytes'] or 0:,} B), per step swapped {row['swapped_bytes_per_step']:,} B, "
+                     f"recomputed {row['recomputed_bytes_per_step']:,} B")
     if len(shapes) > 8:
-        log.info("slackswap summary: ... and %d more input shapes%s", len(shapes) - 8,
-                 f" (all in {path})" if path else "")
+        lines.append(f"... and {len(shapes) - 8} more input shapes" + (f" (all in {path})" if path else ""))
     if data["fallbacks"]:
-        log.info("slackswap summary: saved tensors not placed as planned: %s",
-                 ", ".join(f"{n} x {why}" for why, n in sorted(data["fallbacks"].items())))
+        lines.append("saved tensors not placed as planned: "
+                     + ", ".join(f"{n} x {why}" for why, n in sorted(data["fallbacks"].items())))
+    for line in lines:
+        log.info("%s%s", head, line, extra=extra)
     if path:
         try:
             write_atomically(path, json.dumps(data, indent=1) + "\n")
         except OSError as e:
-            log.warning("slackswap: the summary could not be written to %s (%s)", path, e)
+            log.warning("slackswap: the summary could not be written to %s (%s)", path, e, extra=extra)
             return
-        log.info("slackswap summary: written to %s", path)
+        log.info("%swritten to %s", head, path, extra=extra)
 
 
 def summary_path(cfg: SlackSwapConfig) -> str | None:
@@ -218,5 +247,5 @@ def write_trace(result, trace_file: str, kind: str, **kw) -> bool:
     return True
 
 
-__all__ = ["JobSummary", "KINDS", "StepReports", "measured_on", "say_agreed_plan", "say_own_plan", "say_summary",
+__all__ = ["JobSummary", "KINDS", "StepReports", "at_exit", "measured_on", "say_agreed_plan", "say_own_plan", "say_summary",
            "summary_path", "trace_path", "write_trace"]

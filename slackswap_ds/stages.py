@@ -44,7 +44,7 @@ from .logs import EVERY_RANK, SayOnce, job_rank, log
 from .plan import Plan
 from .plans import PlanMaker, plan_summary
 from .profile import StepProfile
-from .reporting import StepReports, measured_on
+from .reporting import StepReports, at_exit, measured_on
 from .runtime.executor import Executor
 from .runtime.device import device_of
 from .runtime.stats import StepStats
@@ -64,6 +64,7 @@ class _Batch:
     open: dict[int, Runner] = field(default_factory=dict)  # buffer id -> the context its micro-batch runs in
     most_open: int = 0
     peak: int = 0  # device bytes of saved tensors, over every micro-batch in flight
+    moved: tuple[int, int] = (0, 0)  # bytes swapped and recomputed, over its planned micro-batches
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
 
 
@@ -103,6 +104,12 @@ class StageRuntime:
         self._say_unsupported()
         hook_pipeline(self.engine, self._forward, self._backward, self._run)
         self.engine.slackswap = self
+        at_exit(self.end_of_job)
+
+    def end_of_job(self) -> dict | None:
+        """This stage's summary, said by its first rank (reporting.StepReports.end_of_job), once; run
+        when the process exits, or by a script that wants it earlier. None if no batch ran."""
+        return self.reports.end_of_job(self.stage, lead=job_rank() == self.members[0])
 
     def _say_unsupported(self) -> None:
         if job_rank() != 0:  # one line per job: every rank has the same config
@@ -127,6 +134,9 @@ class StageRuntime:
                 run_schedule()
             finally:
                 self.batch = None
+        if batch.planned is None:  # (a planned batch is reported against its plan: _batch_done)
+            kind = "warm-up" if batch.warm_up else "profiled" if batch.profiling is not None else "shelter"
+            self.reports.unplanned(kind, batch.peak, batch.fallbacks)
         if batch.profiling is not None:
             _, session, key = batch.profiling
             try:
@@ -148,7 +158,8 @@ class StageRuntime:
                           self.stage, batch.most_open, self.holds)
         self.last_stats = StepStats(peak_device_bytes=batch.peak, fallbacks=dict(batch.fallbacks))
         self.active_plan = state.plan
-        self.reports.step(state.plan, state.prediction, batch.peak, batch.fallbacks)
+        self.reports.step(state.plan, state.prediction, batch.peak, batch.fallbacks, str(shapes_of(batch.planned)),
+                          self.holds * state.profile.total_bytes, batch.moved)
         self.plans.after_step(state, self.steps)  # a re-plan followed; verify_every
 
     def _forward(self, forward_pass, buffer_id: int):
@@ -176,12 +187,13 @@ class StageRuntime:
             executor.resume(buffer_id)
             backward_pass()
             executor.finish(buffer_id)
+        stats = executor.stats.last_step
         if runner is self.shelter:
-            self.shelter_peak = max(self.shelter_peak, executor.stats.last_step.peak_device_bytes)
-        elif executor.plan is not None:
-            stats = executor.stats.last_step
-            batch.peak = max(batch.peak, stats.peak_device_bytes)
-            batch.fallbacks.update(stats.fallbacks)
+            self.shelter_peak = max(self.shelter_peak, stats.peak_device_bytes)
+        batch.peak = max(batch.peak, stats.peak_device_bytes)
+        batch.fallbacks.update(stats.fallbacks)
+        if executor.plan is not None:
+            batch.moved = (batch.moved[0] + stats.swapped_bytes, batch.moved[1] + stats.recomputed_bytes)
 
     def _runner(self, batch: _Batch, key: ShapeKey, buffer_id: int) -> Runner:
         """The context a micro-batch runs in: its shape's executor; the profiler, for the first

@@ -35,17 +35,17 @@ def pipeline_jobs(request, tmp_path_factory):
     ranks, tmp = request.param, tmp_path_factory.mktemp(f"pipe{request.param}")
     runs = []
     for name in ("off", "on"):
-        (tmp / f"{name}.json").write_text(json.dumps(config(ranks, name == "on")))
+        (tmp / f"{name}.json").write_text(json.dumps(config(ranks, name == "on", summary_file=str(tmp / "summary.json"))))
         (tmp / name).mkdir()
         runs.append([name, ["--config", str(tmp / f"{name}.json"), "--out", str(tmp / name)]])
     logs = launch_in_turn(ranks, WORKER, runs, tmp)
     reports = {name: [json.loads((tmp / name / f"rank{r}.json").read_text()) for r in range(ranks)] for name, _ in runs}
-    return ranks, (reports["on"], logs["on"]), (reports["off"], logs["off"])
+    return ranks, (reports["on"], logs["on"]), (reports["off"], logs["off"]), tmp
 
 
 @sharing("pipeline_jobs")
 def test_training_is_exact(pipeline_jobs):
-    _, (on, _), (off, _) = pipeline_jobs
+    _, (on, _), (off, _), _ = pipeline_jobs
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"] and len(a["losses"]) == 4
         assert a["parameters"] == b["parameters"], f"rank {a['rank']}: parameters differ after 4 batches"
@@ -53,7 +53,7 @@ def test_training_is_exact(pipeline_jobs):
 
 @sharing("pipeline_jobs")
 def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(pipeline_jobs):
-    _, (on, _), _ = pipeline_jobs
+    _, (on, _), _, _ = pipeline_jobs
     for r in on:
         assert r["layers"] == 4  # the PipelineModule's layers are the plan's regions (4 per stage)
         # 1F1B on 2 stages with 4 micro-batches: stage 0 holds 2 at once, stage 1 one
@@ -67,7 +67,7 @@ def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(pip
 
 @sharing("pipeline_jobs")
 def test_one_plan_per_stage_logged_once_the_same_on_replicas(pipeline_jobs):
-    ranks, (on, text), (_, text_off) = pipeline_jobs
+    ranks, (on, text), (_, text_off), _ = pipeline_jobs
     digests = {r["stage"]: r["digest"] for r in on}
     assert digests[0] != digests[1]
     for r in on:
@@ -79,6 +79,27 @@ def test_one_plan_per_stage_logged_once_the_same_on_replicas(pipeline_jobs):
         assert digests[stage][:12] in lines[0] and f"agreed over torch.distributed by {ranks // 2} ranks" in lines[0]
     assert text.count("slackswap: per-stage plans agreed by") == 1
     assert "slackswap" not in text_off.lower().replace("slackswap_ds", "")
+
+
+@sharing("pipeline_jobs")
+def test_each_stage_says_its_summary_once_and_writes_it(pipeline_jobs):
+    """The end-of-job summary under pipeline parallelism: each stage's first rank says its stage's
+    (every batch by kind, each planned batch within its budget, its plan), stage 0's written to
+    summary_file and stage 1's beside it; every rank's `end_of_job()` returns its own."""
+    ranks, (on, text), _, tmp = pipeline_jobs
+    for stage in (0, 1):
+        lines = [line for line in text.splitlines() if f"slackswap stage {stage} summary: " in line]
+        assert sum(" steps (1 warm-up, 1 profiled, 2 planned; " in line for line in lines) == 1, lines
+        assert any("every planned step within its plan's budget" in line for line in lines)
+        written = tmp / ("summary.json" if stage == 0 else "summary.stage1.json")
+        data = json.loads(written.read_text())
+        assert data["stage"] == stage and data["steps"] == {"warm-up": 1, "profiled": 1, "planned": 2, "shelter": 0}
+        (shape,) = data["shapes"]
+        lead = next(r for r in on if r["stage"] == stage)
+        assert shape["plan"] == lead["digest"][:12] and shape["budget_bytes"] == lead["budget"]
+        assert shape["keep_all_bytes"] == lead["keep_all"] and shape["peak_bytes"] <= lead["budget"]
+    for r in on:
+        assert r["summary"]["stage"] == r["stage"] and r["summary"]["steps"]["planned"] == 2
 
 
 def fault_job(tmp_path: Path, transport: str, scenario: str) -> Job:

@@ -100,7 +100,8 @@ def main(argv=None) -> int:
         out.update(digest=state.plan.digest, budget=state.plan.budget_bytes, peak=peak, holds=runtime.holds,
                    keep_all=runtime.holds * state.profile.total_bytes, stage_plans=runtime.stage_plans,
                    predicted_peak=state.prediction.peak_bytes, layers=int(dict(state.profile.meta)["layers"]),
-                   shelter_peak=runtime.shelter_peak, steps=steps, shapes=len(runtime.shapes))
+                   shelter_peak=runtime.shelter_peak, steps=steps, shapes=len(runtime.shapes),
+                   summary=runtime.end_of_job())
     Path(args.out, f"rank{rank}.json").write_text(json.dumps(out))
     say(f"FAULT-TEST done {rank}")
     torch.distributed.barrier()
