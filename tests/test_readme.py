@@ -84,7 +84,8 @@ def test_every_file_the_readme_points_to_is_there():
     # (not a path a program printed: "wrote /work/main/benchmarks/results/...")
     paths = set(re.findall(r"(?<![/\w])((?:benchmarks|launch|configs|tests|slackswap_ds)/[\w./-]*\w/?)", README))
     assert len(paths) > 20
-    missing = sorted(p for p in paths if not (ROOT / p).exists())
+    # (benchmarks/results/ holds what the benchmarks write when they run: not in the repository)
+    missing = sorted(p for p in paths if not (ROOT / p).exists() and not p.startswith("benchmarks/results/"))
     assert missing == []
 
 
