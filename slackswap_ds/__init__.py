@@ -27,7 +27,7 @@ The map, one line per module (README.md, "What is in the box", says more):
     report          traces, plots and the text tables of `slackswap simulate`
     runtime/        plans run for real: executor, steps, entries, swaps, calls, replay, verify,
                     residency, program, records, stats, aten, flat, tracing, profiler, regions,
-                    naming, takeover, host_pool, device, timeline
+                    naming, takeover, compiled, host_pool, device, timeline
     checkpointing   drop-in deepspeed.checkpointing (inline under a plan)
     bucketing       pad_to_multiple for variable-length batches
     topology        which GPUs share a host uplink

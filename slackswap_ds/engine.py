@@ -36,6 +36,7 @@ from .logs import EVERY_RANK, SayOnce, log, said_once_per_job, setup_logging
 from .plan import Plan
 from .plans import PlanMaker
 from .reporting import StepReports, at_exit, say_agreed_plan, say_own_plan, write_trace
+from .runtime.compiled import CompiledCodeError, check_model
 from .runtime.executor import Executor
 from .runtime.device import device_of
 from .runtime.replay import ReplayError
@@ -57,6 +58,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     ds_config = config_given(args, config, config_params)
     try:
         cfg = load_config(ds_config if ds_config is not None else {})
+        if cfg.enabled and isinstance(ds_config, dict):
+            check_compile_section(ds_config)
     except ConfigError as e:  # every rank raises it alike: said once for the job, the file named if found
         source = e.source or (config_file_of(ds_config.get(SECTION), SECTION) if isinstance(ds_config, dict) else None)
         raise said_once_per_job(ConfigError(e.problems, source) if source != e.source else e) from None
@@ -65,6 +68,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = out[0]
     if cfg.enabled:
         setup_logging(cfg.log_level)
+        refuse_what_cannot_be_planned(engine.module)
         if is_pipeline_engine(engine):  # its own schedule, several micro-batches in flight: stages.py
             from .stages import StageRuntime
 
@@ -75,6 +79,26 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 
 setattr(initialize, MARK, True)  # recognised as SlackSwap's wherever it is bound
+
+
+def check_compile_section(ds_config: dict) -> None:
+    """DeepCompile's `offload_activation` and SlackSwap both decide where saved activations live:
+    never both at once (ConfigError naming the two switches)."""
+    compile_section = ds_config.get("compile")
+    if isinstance(compile_section, dict) and compile_section.get("deepcompile") and \
+            compile_section.get("offload_activation"):
+        raise ConfigError(['"compile": {"deepcompile": true, "offload_activation": true} and an enabled "slackswap" '
+                           'section both place the saved activations. Choose one: "offload_activation": false (the '
+                           'plan decides), or "slackswap": {"enabled": false} (DeepCompile decides)'])
+
+
+def refuse_what_cannot_be_planned(module) -> None:
+    """A compiled part of the model that SlackSwap cannot plan around (runtime/compiled.py) stops the
+    job, said once: at initialize, and at the first step (engine.compile() may come in between)."""
+    try:
+        check_model(module)
+    except CompiledCodeError as e:
+        raise said_once_per_job(e) from None
 
 
 class SlackSwapRuntime:
@@ -133,6 +157,8 @@ class SlackSwapRuntime:
         if self.active is not None and not self._end_abandoned_step():
             return kwargs  # a second forward in the same step
         self.steps += 1
+        if self.steps == 1:
+            refuse_what_cannot_be_planned(self.module)
         key = self.step_shapes = shape_key(args, kwargs)
         run = Run.SHELTER if self.steps <= self.cfg.profile_steps else self.shapes.runner_for(key, self.plans.pool)
         if run is Run.PROFILE and self._derived_plan(key):

@@ -64,6 +64,7 @@ from ..plan import Decision, Plan, Schedule, lower
 from ..profile import StepProfile
 from .aten import meta_of, no_dispatch
 from .calls import LayerCalls
+from .compiled import CompiledLayers
 from .device import Device
 from .entries import Entries
 from .flat import flatten_call
@@ -97,6 +98,10 @@ class Observer(Protocol):
 
     def step_closed(self) -> None: ...
 
+    def opaque_begin(self, args: tuple, kwargs: dict) -> None: ...
+
+    def opaque_end(self, output) -> None: ...
+
 
 def _is_parameter(t: torch.Tensor) -> bool:
     """A parameter or a view of one, also when ZeRO-3 swapped in a gathered storage (`ds_id`).
@@ -127,9 +132,8 @@ class Executor:
     with `Executor.profiling` or `Executor.shelter`."""
 
     def __init__(self, model: nn.Module, schedule: Schedule | None = None, profile: StepProfile | None = None, *,
-                 pool: HostPool | None = None, record: bool = False, verify: bool = True,
-                 replan: Replan | None = None, takeover: bool = True, device: Device | None = None,
-                 observer: Observer | None = None, keep_bytes: int = 0):
+                 pool: HostPool | None = None, record: bool = False, verify: bool = True, replan: Replan | None = None,
+                 takeover: bool = True, device: Device | None = None, observer: Observer | None = None, keep_bytes=0):
         self._setup(model, pool, device, record=record, verify=verify, replan=replan, takeover=takeover,
                     observer=observer, keep_bytes=keep_bytes)
         if schedule is not None:
@@ -153,6 +157,7 @@ class Executor:
         self.model, self.record = model, record  # record: a measured timeline of each step (stats.last_timeline)
         self.takeover, self.observer = takeover, observer
         self.layers, self.regions = find_layers(model), RegionTracker()
+        self.compiled = CompiledLayers(model, self.layers)  # (CompiledCodeError for what cannot be planned)
         self.call_arguments: dict[str, list[str]] = {}  # without a plan: saved tensors each layer call takes
         self._lock = threading.RLock()
         released: collections.deque[Entry] = collections.deque()  # entries whose holders died
@@ -237,6 +242,7 @@ class Executor:
             self._handles.append(self.model.register_forward_hook(self._model_returned, always_call=True))
             for path, layer in self.layers:
                 self._handles.append(layer.register_forward_pre_hook(self._call_hook(path), with_kwargs=True))
+                self._handles += self.compiled.hooks(path, layer, lambda: self.observer or self._tracer)
                 self._handles.append(layer.register_forward_hook(self._return_hook(path), always_call=True))
             stack.enter_context(self._hooks)
             if self.record and self.observer is None:
@@ -264,9 +270,8 @@ class Executor:
         return False
 
     def _remove_hooks(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+        while self._handles:
+            self._handles.pop().remove()
 
     # ---- steps (steps.py) -------------------------------------------------------------------------
     def _step_opened(self, step: Step) -> None:

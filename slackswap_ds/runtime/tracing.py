@@ -46,6 +46,7 @@ class TracedOp:
     reads: list[int] = field(default_factory=list)  # storage ids
     writes: list[int] = field(default_factory=list)  # storage ids, one per tensor output
     inplace: bool = False
+    opaque: bool = False  # a compiled layer's call: timed whole, its inside unseen (compiled.py)
 
     @property
     def key(self) -> str:
@@ -107,6 +108,8 @@ class StepTracer(TorchDispatchMode):
         self._node_op: dict[int, int] = {}
         self._nodes: list = []  # keep nodes alive so that their ids stay unique
         self._last_outputs: list[torch.Tensor] = []
+        self._opaque: tuple[TracedOp, float, float] | None = None  # the compiled call running now
+        self._opaque_bwd_start: float | None = None
 
     # ---- the executor's reports -------------------------------------------------------------------
     def step_closed(self) -> None:
@@ -129,6 +132,57 @@ class StepTracer(TorchDispatchMode):
             op = self._node_op.get(id(node))
             if op is not None:
                 save.users.add(op)
+
+    # ---- compiled layers (compiled.py): one opaque op per call ----------------------------------------
+    def opaque_begin(self, args, kwargs) -> None:
+        """A compiled layer's call starts (its region entered; dispatch modes about to be
+        suspended): one op of its own, reading the call's tensor arguments, timed until
+        `opaque_end`. Its saved tensors are made inside, unseen: never recomputable."""
+        if self.closed or self.forward_done or not torch.is_grad_enabled() or _in_backward():
+            return  # (not the step's: an evaluation, a call in backward)
+        self._bind_last_node()
+        region = self.region()
+        local = self._counts.get(region, 0)
+        self._counts[region] = local + 1
+        op = TracedOp(len(self.ops), region, local, "compiled", opaque=True)
+        op.reads = [self._sid_of(t) for t in tensors_in(args, kwargs) if not t.is_meta]
+        self.ops.append(op)
+        self._opaque = (op, self.timeline.now() if self.timeline is not None else 0.0, self.timer())
+
+    def opaque_end(self, output) -> None:
+        """The compiled call returned `output`: its time, the storages it made, and its backward
+        timed by hooks on the autograd nodes of its outputs (the compiled backward's kernels are
+        as unseen as its forward's)."""
+        opaque, self._opaque = self._opaque, None
+        if opaque is None:
+            return
+        op, span, start = opaque
+        op.fwd_s = self.timer() - start
+        if self.timeline is not None:
+            self.timeline.span("compute", "fwd", op.key, span, self.timeline.now())
+        nodes = {}
+        for t in flatten(output)[0]:
+            if not isinstance(t, torch.Tensor) or t.is_meta:
+                continue
+            st = t.untyped_storage()
+            sid = len(self.storages)
+            self.storages[sid] = TracedStorage(sid, st.nbytes(), op.index, [op.index])
+            self._sid[st._cdata] = (sid, StorageWeakRef(st))
+            op.writes.append(sid)
+            if t.grad_fn is not None:
+                nodes[id(t.grad_fn)] = t.grad_fn
+        for node in nodes.values():
+            self._node_op[id(node)] = op.index
+            self._nodes.append(node)
+            node.register_prehook(lambda grads, op=op: self._opaque_backward(op, True))
+            node.register_hook(lambda grads_in, grads_out, op=op: self._opaque_backward(op, False))
+
+    def _opaque_backward(self, op: TracedOp, starts: bool) -> None:
+        if starts:
+            self._opaque_bwd_start = self.timer()
+        elif self._opaque_bwd_start is not None:
+            op.bwd_s += self.timer() - self._opaque_bwd_start
+            self._opaque_bwd_start = None
 
     # ---- storages ---------------------------------------------------------------------------------
     def _sid_of(self, t: torch.Tensor) -> int:
@@ -164,7 +218,7 @@ class StepTracer(TorchDispatchMode):
             end = self.timer()
             node = torch._C._current_autograd_node()
             op = self._node_op.get(id(node)) if node is not None else None
-            if op is not None:
+            if op is not None and not self.ops[op].opaque:  # (an opaque op's backward is timed whole)
                 self.ops[op].bwd_s += end - start
                 if tl is not None:
                     tl.span("compute", "bwd", self.ops[op].key, span, tl.now())
