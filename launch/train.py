@@ -33,6 +33,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--losses", help="write the per-step losses (rank 0) to this JSON file")
     ap.add_argument("--params", help="write a sha256 of the final parameters (rank 0; gathered under ZeRO-3) here")
+    ap.add_argument("--compile-blocks", metavar="BACKEND",
+                    help="torch.compile each transformer block with BACKEND (inductor, aot_eager), as torchtitan "
+                         "does; SlackSwap keeps or swaps inside them and recomputes outside")
     ap = deepspeed.add_config_arguments(ap)
     return ap.parse_args(argv)
 
@@ -75,6 +78,10 @@ def main(argv=None) -> int:
 
     torch.manual_seed(args.seed)
     model = build_model(args).train()
+    if args.compile_blocks:
+        blocks = model.transformer.h if args.model == "gpt2" else model.model.layers
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block, backend=args.compile_blocks)
     deepspeed.init_distributed()
     rank = torch.distributed.get_rank()
     engine, _, _, _ = ss.initialize(args=args, model=model, model_parameters=model.parameters(),

@@ -51,6 +51,13 @@ def zero_stages_job(tmp_path_factory) -> dict[str, tuple[list[float], str]]:
     for enabled in (False, True):
         for stage, steps in ZERO_STAGES:
             add(f"{'on' if enabled else 'off'}{stage}", zero_stage_config(stage, enabled), steps)
+    # each block compiled with inductor (8 layers: a compiled block's backward reads all its saved
+    # tensors at once), disabled then enabled
+    for enabled in (False, True):
+        config = base_config(0)
+        config["slackswap"].update(enabled=enabled, activation_budget=0.6)
+        add(f"blocks-{'on' if enabled else 'off'}", config, 5)
+        runs[-1][1] += ["--compile-blocks", "inductor", "--layers", "8"]
     # then a job that writes its plan_file, and one that finds it (each its own trace_file)
     for name, steps in (("file1", 5), ("file2", 4)):
         config = base_config(0)
@@ -284,6 +291,18 @@ def test_bad_paths_fail_when_the_config_loads(tmp_path):
         load_config({"slackswap": {"plan_file": str(tmp_path / "missing" / "plans.json")}})
     with pytest.raises(ConfigError, match="a folder, not a file"):
         load_config({"slackswap": {"trace_file": str(tmp_path)}})
+
+
+@sharing("zero_stages_job")
+def test_a_model_compiled_per_block_trains_as_the_same_compiled_job_without_slackswap(zero_stages_job):
+    """launch/train.py --compile-blocks inductor on 2 ranks: losses equal to the compiled job with
+    "enabled": false, one plan line, every planned step within its budget."""
+    (losses_on, log_on), (losses_off, _) = zero_stages_job["blocks-on"], zero_stages_job["blocks-off"]
+    assert len(losses_on) == 5 and losses_on == losses_off
+    assert len(re.findall(r"slackswap rank 0: .* plan [0-9a-f]{12} agreed over torch.distributed by 2 ranks",
+                          log_on)) == 1
+    measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
+    assert len(measured) == 2 and all(a <= b for a, b in measured), measured
 
 
 @sharing("zero_stages_job")
@@ -930,3 +949,60 @@ def test_a_plan_is_lowered_and_simulated_once_on_its_way_to_the_executor(monkeyp
     keep_all = Plan.build(state.profile, common.keep_all(state.profile), budget_bytes=0, hardware_digest=hw.digest,
                           planner="keep-all")
     assert plan_counts.simulated_on[keep_all.digest, hw.name] == 1  # the ideal step: once per profile
+
+
+def test_a_model_compiled_per_block_trains_under_the_runtime_as_the_same_compiled_model():
+    """The engine's lifecycle (warm-up in the shelter, a profiled step, planned steps) over GPT-2 with
+    each block compiled (inductor): every loss and the final gradients equal the same compiled model
+    trained without SlackSwap, the planned steps within the budget (0.9: with 2 layers one compiled
+    block, whose backward reads all its saved tensors at once, is half the step). engine.compile() (the whole
+    model, in place) stops at the next step with the construct named."""
+    import torch
+
+    from slackswap_ds.runtime.compiled import CompiledCodeError
+
+    def run(enabled: bool):
+        model = _gpt2()
+        model.config.use_cache = False
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h[i] = torch.compile(block, backend="inductor")
+        engine = _EngineShim(model)
+        runtime = None
+        if enabled:
+            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                          "profile_steps": 1, "activation_budget": 0.9}}))
+            runtime.attach()
+        torch.manual_seed(1)
+        losses, peaks = [], []
+        for _ in range(5):
+            ids = torch.randint(1, 128, (2, 16))
+            loss = engine.forward(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            losses.append(loss.item())
+            if runtime is not None and runtime.active_plan is not None:
+                peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes))
+        return losses, [p.grad for p in model.parameters()], peaks
+
+    losses, grads, peaks = run(True)
+    plain_losses, plain_grads, _ = run(False)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert len(peaks) == 3 and all(peak <= budget for peak, budget in peaks), peaks
+
+    model = _gpt2()
+    engine = _EngineShim(model)
+    SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4"}})).attach()
+    model.compile(backend="aot_eager")  # what DeepSpeed's engine.compile() does to the engine's module
+    ids = torch.randint(1, 128, (2, 16))
+    with pytest.raises(CompiledCodeError, match="the whole model"):
+        engine.forward(input_ids=ids, labels=ids)
+
+
+def test_deepcompile_offload_activation_beside_an_enabled_section_is_a_config_error():
+    from slackswap_ds.config import ConfigError
+    from slackswap_ds.engine import check_compile_section
+
+    check_compile_section({"compile": {"deepcompile": True}})  # (DeepCompile alone: the model check decides)
+    check_compile_section({"compile": {"offload_activation": True}})
+    with pytest.raises(ConfigError, match='"offload_activation": false') as e:
+        check_compile_section({"compile": {"deepcompile": True, "offload_activation": True}})
+    assert '"enabled": false' in str(e.value)
