@@ -1006,3 +1006,41 @@ def test_deepcompile_offload_activation_beside_an_enabled_section_is_a_config_er
     with pytest.raises(ConfigError, match='"offload_activation": false') as e:
         check_compile_section({"compile": {"deepcompile": True, "offload_activation": True}})
     assert '"enabled": false' in str(e.value)
+
+
+def test_compiled_blocks_on_new_lengths_every_step_stay_exact_and_within_budget():
+    """A padding collator's own length every step over GPT-2 compiled per block (Dynamo makes the
+    shapes dynamic after the second length): planned (profiled or derived) steps give the same
+    losses and gradients as the compiled model without SlackSwap, within their budgets."""
+    import random
+
+    import torch
+
+    lengths = [random.Random(3).randint(6, 40) for _ in range(10)]
+
+    def run(enabled: bool):
+        model = _gpt2()
+        model.config.use_cache = False
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h[i] = torch.compile(block, backend="aot_eager")
+        engine = _EngineShim(model)
+        runtime = None
+        if enabled:
+            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                          "profile_steps": 1, "activation_budget": 0.9}}))
+            runtime.attach()
+        torch.manual_seed(1)
+        losses, peaks = [], []
+        for seq in lengths:
+            ids = torch.randint(1, 128, (2, seq))
+            loss = engine.forward(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            losses.append(loss.item())
+            if runtime is not None and runtime.active_plan is not None:
+                peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes))
+        return losses, [p.grad for p in model.parameters()], peaks
+
+    losses, grads, peaks = run(True)
+    plain_losses, plain_grads, _ = run(False)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert len(peaks) >= 6 and all(peak <= budget for peak, budget in peaks), peaks

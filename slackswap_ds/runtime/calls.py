@@ -32,7 +32,8 @@ from ..plan import Decision
 from .aten import meta_of, no_dispatch, rebuild
 from .flat import flatten_call, unflatten_call
 from .records import CallRecord, Detached, Entry, HeldArgument, Step, Writer
-from .replay import Recorder, ReplayError, autocast_state, run_replay
+from .compiled import is_compiled
+from .replay import Recorder, ReplayError, autocast_state, rng_states, run_compiled_replay, run_replay
 from .residency import Residency
 from .swaps import Swaps
 from .verify import Verifier
@@ -50,11 +51,14 @@ class LayerCalls:
         self.takeover = takeover  # checkpoint calls run inline in replays too (takeover.py)
         self._recorders: dict[str, Recorder] = {}  # open recorded calls by label
         self._replaying: list[Step] = []  # steps of the replays running now (one replay may need another)
+        self.compiled_call: CallRecord | None = None  # the recorded compiled layer call running now (compiled.py)
 
     # ---- forward ------------------------------------------------------------------------------
     def record(self, step: Step, label: str, module: nn.Module, args: tuple, kwargs: dict,
-               device_type: str) -> Recorder:
-        """Layer call `label` starts: its record, and the Recorder the caller enters (outside its lock)."""
+               device_type: str) -> ContextManager:
+        """Layer call `label` starts: its record, and the Recorder the caller enters (outside its lock).
+        A compiled layer's call is recorded without one (no dispatch mode may see compiled code): its
+        random states and its arguments, to run it again whole (replay.run_compiled_replay)."""
         call = CallRecord(label, module, autocast=autocast_state(device_type))
         flat, spec = flatten_call((args, kwargs))
         with no_dispatch():  # held without autograd history: no cycle through the graph
@@ -62,6 +66,11 @@ class LayerCalls:
         call.args = (flat, spec)
         call.versions = [(a.tensor, a.tensor._version) for a in flat if isinstance(a, Detached)]
         step.calls[label] = call
+        if is_compiled(module):
+            call.rng = rng_states(device_type)
+            call.inputs = frozenset(a.tensor.untyped_storage()._cdata for a in flat if isinstance(a, Detached))
+            self.compiled_call = call
+            return contextlib.nullcontext()
         rec = self._recorders[label] = Recorder(call, functools.partial(self._made, step), device_type)
         return rec
 
@@ -71,6 +80,7 @@ class LayerCalls:
 
     def stop_recording(self, label: str) -> None:
         """Layer call `label` has returned: its recorder stops."""
+        self.compiled_call = None
         rec = self._recorders.pop(label, None)
         if rec is not None:
             rec.__exit__(None, None, None)
@@ -129,8 +139,12 @@ class LayerCalls:
         self._replaying.append(step)
         try:
             args, kwargs = self._arguments(call)
-            run_replay(self, call, step.program.rerun.get(call.label, frozenset()), args, kwargs,
-                       self._replay_context)
+            if call.rng is not None:  # a compiled layer's call: run again whole
+                run_compiled_replay(self, call, args, kwargs, self._replay_context)
+                self.ran(call, 0)
+            else:
+                run_replay(self, call, step.program.rerun.get(call.label, frozenset()), args, kwargs,
+                           self._replay_context)
         except Exception as e:  # noqa: BLE001 - any failure of the model's code in a replay
             why = f"replay failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             needed = [entry for entry in call.targets.values() if entry.holders > 0]

@@ -21,9 +21,11 @@ without running it eagerly.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Any, Callable
 
+import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -93,25 +95,39 @@ class CompiledLayers:
         self.paths = compiled_layers(model, layers)
         self._suspended = ModesSuspended()
 
-    def hooks(self, path: str, layer: nn.Module, tracer: Callable[[], Any]) -> list:
+    def hooks(self, path: str, layer: nn.Module, tracer: Callable[[], Any], calls, saved: tuple) -> list:
         """The handles of `layer`'s hooks if it is compiled (else none): its call runs with dispatch
-        modes suspended, and is one opaque op to `tracer()` (None: no tracer watches the step).
+        modes suspended, and is one opaque op to `tracer()` (None: no tracer watches the step); a call
+        recorded to be run again (`calls.compiled_call`, calls.py) has its saves counted, so that each
+        is known by the order it was packed in (the executor's `saved` = (pack, unpack) do the rest).
         Registered between the executor's call and return hooks, so the region is the call's."""
         if path not in self.paths:
             return []
+        pack, unpack = saved
 
         def pre(module, args, kwargs):
             watching = tracer()
             if watching is not None:
                 watching.opaque_begin(args, kwargs)
-            self._suspended.enter()
+            call = calls.compiled_call  # (None in a replay: its own hooks count its saves)
+            if call is None or call.module is not module:
+                return self._suspended.enter()
+
+            def counted(t):
+                call.packing, call.packs = call.packs, call.packs + 1
+                try:
+                    return pack(t)
+                finally:
+                    call.packing = None
+            self._suspended.enter(torch.autograd.graph.saved_tensors_hooks(counted, unpack))
 
         def post(module, args, output):
             self._suspended.leave()
             watching = tracer()
             if watching is not None:
                 watching.opaque_end(output)
-        return [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, always_call=True)]
+        return [layer.register_forward_pre_hook(pre, with_kwargs=True),
+                layer.register_forward_hook(post, always_call=True)]
 
 
 class ModesSuspended:
@@ -122,15 +138,18 @@ class ModesSuspended:
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def enter(self) -> None:
-        cm = _disable_current_modes()
-        cm.__enter__()
-        self._stack().append(cm)
+    def enter(self, *also) -> None:
+        """Suspend the dispatch modes, and enter the context managers `also` until `leave`."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(_disable_current_modes())
+        for cm in also:
+            stack.enter_context(cm)
+        self._stack().append(stack)
 
     def leave(self) -> None:
         stack = self._stack()
         if stack:
-            stack.pop().__exit__(None, None, None)
+            stack.pop().close()
 
     def _stack(self) -> list:
         stack = getattr(self._local, "stack", None)

@@ -83,6 +83,10 @@ class Entries:
         writer = step.writers.get(st._cdata)
         if writer is not None and writer.call.label != label:
             writer = None  # made in another layer call: no replay of this one makes it
+        compiled = self.calls.compiled_call
+        if writer is None and compiled is not None and compiled.label == label and compiled.packing is not None \
+                and st._cdata not in compiled.inputs:  # saved n-th by a compiled call: its run again saves it n-th
+            writer = Writer(compiled, 0, compiled.packing, StorageWeakRef(st))
         decision = self._decision(step, planned, nbytes, writer)
         # A SWAP or RECOMPUTE entry outlives its device storage: the weak reference keeps the
         # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.

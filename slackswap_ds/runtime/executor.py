@@ -166,8 +166,9 @@ class Executor:
         self._verifier = verifier = Verifier(residency, replan, device)
         self._calls = LayerCalls(residency, swaps, verifier, released, takeover)
         self._entries = Entries(residency, swaps, verifier, self._calls, released, keep_bytes)
-        self._steps = Steps(self._entries, swaps, verifier, residency, verify=verify,
-                            opened=self._step_opened, closed=self._step_closed)
+        # (closed: a profiling step is the profile; gradient accumulation runs several)
+        self._steps = Steps(self._entries, swaps, verifier, residency, verify=verify, opened=self._step_opened,
+                            closed=lambda step: self.observer is not None and self.observer.step_closed())
         self.stats, self._released = self._steps.stats, released
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -242,7 +243,8 @@ class Executor:
             self._handles.append(self.model.register_forward_hook(self._model_returned, always_call=True))
             for path, layer in self.layers:
                 self._handles.append(layer.register_forward_pre_hook(self._call_hook(path), with_kwargs=True))
-                self._handles += self.compiled.hooks(path, layer, lambda: self.observer or self._tracer)
+                self._handles += self.compiled.hooks(path, layer, lambda: self.observer or self._tracer,
+                                                     self._calls, (self._pack, self._unpack))
                 self._handles.append(layer.register_forward_hook(self._return_hook(path), always_call=True))
             stack.enter_context(self._hooks)
             if self.record and self.observer is None:
@@ -281,10 +283,6 @@ class Executor:
             tracer = self.observer if self.observer is not None else self._tracer
             if tracer is not None:
                 tracer.timeline = timeline
-
-    def _step_closed(self, step: Step) -> None:
-        if self.observer is not None:
-            self.observer.step_closed()  # profiling: one step is the profile (accumulation runs several)
 
     def start(self, tag: Hashable) -> None:
         """The forward of pipeline micro-batch `tag` begins: a step of its own (see steps.py)."""

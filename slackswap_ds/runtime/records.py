@@ -154,6 +154,12 @@ class CallRecord:
     live: int = 0  # RECOMPUTE entries of the call still held by autograd (counted when the call returns)
     returned: bool = False  # the layer call has returned (calls.hold_arguments)
     done: bool = False
+    # a compiled layer's call (compiled.py), replayed whole: the random states at its start, the
+    # storages of its arguments, how many saves it packed so far, and the one being packed now
+    rng: tuple | None = None
+    inputs: frozenset[int] = frozenset()
+    packs: int = 0
+    packing: int | None = None
 
 
 class Detached:

@@ -50,7 +50,8 @@ from .aten import (arg_at, by_value, generator_of, is_compute, is_random, meta_o
 from .flat import flatten, unflatten
 from .records import CallRecord, Entry, OpRecord
 
-__all__ = ["Recorder", "ReplayError", "ReplayMode", "ReplaySource", "autocast_state", "replaying", "run_replay"]
+__all__ = ["Recorder", "ReplayError", "ReplayMode", "ReplaySource", "autocast_state", "replaying", "rng_states",
+           "run_compiled_replay", "run_replay"]
 
 _tls = threading.local()
 
@@ -240,3 +241,52 @@ def run_replay(source: ReplaySource, call: CallRecord, rerun: frozenset[int], ar
     finally:
         _tls.replaying = False
         mode.restore_generators()
+
+
+# ---- compiled layers (compiled.py): a call replayed whole -------------------------------------------
+def rng_states(device_type: str) -> tuple:
+    """The default generators' states (CPU, and the device's where it has one): a compiled graph
+    draws its random seeds from them when it starts, so a call run again from these states draws
+    the same (as torch.utils.checkpoint restores them)."""
+    device = torch.cuda.get_rng_state() if device_type == "cuda" else None
+    return torch.get_rng_state(), device
+
+
+def run_compiled_replay(source: ReplaySource, call: CallRecord, args: tuple, kwargs: dict,
+                        enter_extra: Callable[[], ContextManager]) -> None:
+    """Run a compiled layer's call again, whole, from the random states it started from: the
+    compiled forward saves the same tensors in the same order, and the one it saves n-th is RECOMPUTE
+    target (0, n) if forward's n-th save was one (`captured`: checked against forward's bytes on a
+    verifying step). Its own graph is never used (saves dropped); the random states are restored after."""
+    cpu, device = call.rng
+    count = [0]
+
+    def pack(t: torch.Tensor):
+        n, count[0] = count[0], count[0] + 1
+        entry = call.targets.get((0, n))
+        if entry is not None and entry.storage is None and entry.holders > 0:
+            source.captured(entry, t)
+        return None
+
+    def unpack(_):
+        raise ReplayError("a replay's own autograd graph was used for a gradient; replays only regenerate "
+                          "saved tensors")
+
+    _tls.replaying = True
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device is not None else []):
+            torch.set_rng_state(cpu)
+            if device is not None:
+                torch.cuda.set_rng_state(device)
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.enable_grad())
+                for kind, enabled, dtype in call.autocast:
+                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+                stack.enter_context(enter_extra())
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
+                call.module(*args, **kwargs)
+    finally:
+        _tls.replaying = False
+    if count[0] != call.packs:
+        raise ReplayError(f"the compiled call {call.label!r} saved {count[0]} tensors when run again, {call.packs} "
+                          f"in forward")

@@ -118,7 +118,9 @@ class StepTracer(TorchDispatchMode):
     def saved(self, key: str, t: torch.Tensor) -> None:
         if self.closed:
             return
-        save = TracedSave(key, self.region(), self._sid_of(t), len(self.ops), tuple(t.shape))
+        # a storage first seen inside a compiled call was made by it: running the call again makes it again
+        made_by = self._opaque[0].index if self._opaque is not None else None
+        save = TracedSave(key, self.region(), self._sid_of(t, made_by), len(self.ops), tuple(t.shape))
         self.saves.append(save)
         self._save_of[key] = save
 
@@ -185,13 +187,13 @@ class StepTracer(TorchDispatchMode):
             self._opaque_bwd_start = None
 
     # ---- storages ---------------------------------------------------------------------------------
-    def _sid_of(self, t: torch.Tensor) -> int:
+    def _sid_of(self, t: torch.Tensor, made_by: int | None = None) -> int:
         st = t.untyped_storage()
         known = self._sid.get(st._cdata)
         if known is not None:
             return known[0]
         sid = len(self.storages)
-        self.storages[sid] = TracedStorage(sid, st.nbytes(), None)
+        self.storages[sid] = TracedStorage(sid, st.nbytes(), made_by, [] if made_by is None else [made_by])
         self._sid[st._cdata] = (sid, StorageWeakRef(st))
         return sid
 
