@@ -30,12 +30,16 @@ sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 def sweep_one(name: str, backend: str, random_plans: int) -> dict:
     import slackswap_ds as ss
     from slackswap_ds.errors import BudgetInfeasibleError
+    from slackswap_ds.hardware import Hardware
+    from slackswap_ds.plan import lower
+    from slackswap_ds.simulator import simulate
     from slackswap_ds.runtime.regions import find_layers
 
     import zoo
     from exactness import fake_clock, random_plan, run, without_caches
     from test_compiled import compile_blocks, dynamo_compiles
 
+    torch._dynamo.reset()  # (models share code objects, transformers' layer __call__: a fresh cache for each)
     model, batch = zoo.ZOO[name].build(torch.float32)
     model = compile_blocks(without_caches(model), backend)
     row = {"model": name, "backend": backend, "blocks": len(find_layers(model)), "plans": 0, "failures": []}
@@ -72,9 +76,16 @@ def sweep_one(name: str, backend: str, random_plans: int) -> dict:
             row["failures"].append(f"{label}: not exact")
         if dynamo_compiles() != compiles:
             row["failures"].append(f"{label}: recompiled after the plan's first step")
-        if ex.stats.last_step.peak_device_bytes > plan.budget_bytes:
-            row["failures"].append(f"{label}: peak {ex.stats.last_step.peak_device_bytes:,} B over the budget "
-                                   f"{plan.budget_bytes:,} B")
+        # on this CPU copies are synchronous: a prefetch timed for the A100 the plan was made for lands
+        # at its trigger at once, earlier than there. The runtime must stay within what the simulator
+        # predicts for such instant copies (the engine retimes such prefetches: plans.fit_to_device)
+        peak = ex.stats.last_step.peak_device_bytes
+        predicted = simulate(lower(prof, plan), Hardware.instant_copies()).peak_bytes
+        if peak > max(predicted, plan.budget_bytes):
+            row["failures"].append(f"{label}: peak {peak:,} B over the budget {plan.budget_bytes:,} B and over "
+                                   f"the prediction for instant copies {predicted:,} B")
+        elif peak > plan.budget_bytes:
+            row.setdefault("early", []).append(label)
     return row
 
 
@@ -109,6 +120,9 @@ def main(argv=None) -> int:
             result = "; ".join(row["failures"][:3]) if row["failures"] else row.get("skipped") or \
                 "exact, within budget, no recompile"
             extra = []
+            if row.get("early"):
+                extra.append(f"{', '.join(row['early'])}: over the budget by prefetches timed for an A100, as the "
+                             f"simulator predicts for this CPU's synchronous copies")
             if row.get("infeasible"):
                 extra.append(f"slackswap infeasible at {', '.join(map(str, row['infeasible']))} (block floor)")
             print(f"{name:<24} {backend:<10} {row['blocks']:>6} {row['plans']:>5}  {seconds:7.1f}  {result}"

@@ -57,6 +57,7 @@ from typing import Hashable, Protocol
 
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import PlanError
@@ -360,10 +361,11 @@ class Executor:
 
     # ---- saved-tensor hooks --------------------------------------------------------------------
     def _pack(self, t: torch.Tensor):
-        # the hot path of every step: keep it lean (see benchmarks/overhead_cpu.py)
+        # the hot path of every step: keep it lean (see benchmarks/overhead_cpu.py). Dynamo tracing
+        # through this hook (a frame compiled while it is active) sees the identity: no side effects
         if replaying():
             return DROPPED
-        if _in_backward() or self._eval_depth or type(t) not in PLAIN_TENSOR_TYPES or t.is_meta:
+        if _in_backward() or self._eval_depth or type(t) not in PLAIN_TENSOR_TYPES or t.is_meta or is_compiling():
             return t
         st = t.untyped_storage()
         cdata = st._cdata

@@ -197,3 +197,19 @@ def test_a_graph_break_inside_a_compiled_block_is_planned_around_exactly(backend
         assert_exact(run(model, step, batch, ex), reference)
         assert_exact(run(model, step, batch, ex), reference)
         assert ex.stats.last_step.peak_device_bytes <= plan.budget_bytes
+
+
+def test_a_block_recompiled_while_slackswap_hooks_are_active_is_traced_without_them():
+    """Mixtral's routing gives data-dependent shapes: Dynamo compiles its blocks again during the
+    profiled step, with SlackSwap's saved-tensor hooks active, and traces through the pack hook;
+    the hook is the identity to Dynamo (no crash from inside it), and gradients stay exact."""
+    torch._dynamo.reset()
+    model, batch = zoo.ZOO["mixtral"].build(torch.float32)
+    model = compile_blocks(without_caches(model), "aot_eager")
+    reference = run(model, zoo.step, batch)
+    torch.manual_seed(1)
+    prof = ss.profile_step(model, zoo.step, batch, warmup=0, timer=fake_clock(1e-3))
+    for seed in range(2):
+        ex = ss.apply(model, random_plan(prof, seed), prof)
+        assert_exact(run(model, zoo.step, batch, ex), reference)
+        assert_exact(run(model, zoo.step, batch, ex), reference)
