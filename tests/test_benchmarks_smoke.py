@@ -252,3 +252,14 @@ def test_zero_offload_compares_both_plans(capsys):
     assert zero_offload.main() == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if "ZeRO" in l]
     assert len(lines) == 8 and sum("knows ZeRO" in l for l in lines) == 4
+
+
+def test_compiled_sweep_prints_a_row_per_model_and_backend(capsys):
+    """benchmarks/compiled_sweep.py on one small model with aot_eager and one random plan."""
+    from benchmarks import compiled_sweep
+
+    assert compiled_sweep.main(["--backends", "aot_eager", "--random", "1", "--models", "bert"]) == 0
+    out = capsys.readouterr().out
+    assert "bert" in out and "exact, within budget, no recompile" in out and "0 of 1 rows failed" in out
+    with pytest.raises(SystemExit):
+        compiled_sweep.main(["--models", "no-such-model"])
