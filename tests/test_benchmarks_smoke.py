@@ -263,3 +263,18 @@ def test_compiled_sweep_prints_a_row_per_model_and_backend(capsys):
     assert "bert" in out and "exact, within budget, no recompile" in out and "0 of 1 rows failed" in out
     with pytest.raises(SystemExit):
         compiled_sweep.main(["--models", "no-such-model"])
+
+
+def test_compiled_side_by_side_prints_every_row(capsys):
+    """benchmarks/compiled_side_by_side.py, tiny: every row printed; SlackSwap's rows exact and within
+    the budget's share of the compiled keep-all."""
+    from benchmarks import compiled_side_by_side
+
+    assert compiled_side_by_side.main(["--layers", "4", "--hidden", "32", "--seq", "16", "--batch", "2",
+                                       "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    names = ["compiled", "slackswap compiled", "torch memory budget", "slackswap eager"]
+    rows = {line[:20].strip(): line[20:].split() for line in out.splitlines() if line[:20].strip() in names}
+    assert list(rows) == names
+    assert rows["compiled"][0] == "yes" and rows["slackswap compiled"][0] == "yes" and rows["slackswap eager"][0] == "yes"
+    assert float(rows["slackswap compiled"][2]) <= 0.5 + 1e-9
