@@ -19,6 +19,8 @@ the bytes autograd holds at the end of forward, counted by a saved-tensor hook t
 for the SlackSwap rows the simulator's prediction of the plan on an A100 and an H100 from the same
 profile (op times measured on this CPU, so the percentages describe this CPU's op mix on those links).
 DeepCompile's `offload_activation` is not run here: it is a pass of DeepSpeed's compile backend for CUDA.
+With `--device cuda` (benchmarks/gpu_validate.py part 5) the times are the GPU's and a last column gives
+the allocator's peak during the step above what was allocated before it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--budget", type=float, default=0.5, help="fraction of the keep-all saved bytes (default 0.5)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (benchmarks/gpu_validate.py part 5)")
     args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     import transformers
 
     import slackswap_ds as ss
@@ -81,13 +86,13 @@ def main(argv=None) -> int:
 
     def build(backend) -> torch.nn.Module:
         torch.manual_seed(0)
-        model = transformers.GPT2LMHeadModel(cfg).train()
+        model = transformers.GPT2LMHeadModel(cfg).to(device).train()
         if backend is not None:
             for i, block in enumerate(model.transformer.h):
                 model.transformer.h[i] = torch.compile(block, backend=backend)
         return model
 
-    ids = torch.randint(1, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(1, 1024, (args.batch, args.seq), generator=torch.Generator().manual_seed(1)).to(device)
 
     def step(m, b):
         out = m(input_ids=b, labels=b)
@@ -99,14 +104,21 @@ def main(argv=None) -> int:
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.manual_seed(7)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
         t0 = time.perf_counter()
         if ctx is None:
             loss = step(model, ids)
         else:
             with ctx:
                 loss = step(model, ids)
+        if cuda:
+            torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
-        return loss.detach(), [p.grad.clone() for p in model.parameters()], seconds
+        alloc_peak = torch.cuda.max_memory_allocated() - before if cuda else None
+        return loss.detach(), [p.grad.clone() for p in model.parameters()], seconds, alloc_peak
 
     def equal(a, b) -> bool:
         return torch.equal(a[0], b[0]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
@@ -114,7 +126,7 @@ def main(argv=None) -> int:
     compiled, knapsack, eager = build("inductor"), build(budgeted_inductor), build(None)
     reference, eager_reference = one(compiled), one(eager)
     counter, read = saved_bytes_counter()
-    _, _, _ = one(compiled, counter)
+    one(compiled, counter)
     keep_all_bytes = read()
 
     rows, plans = {}, {}
@@ -140,10 +152,10 @@ def main(argv=None) -> int:
     hws = {n: load_hardware(n) for n in ("a100-80g-pcie4", "h100-pcie5")}
     print(f"GPT-2 style, {args.layers} blocks compiled with inductor, hidden {args.hidden}, seq {args.seq}, batch "
           f"{args.batch}, dropout on; budget {args.budget} of keep-all saved bytes ({keep_all_bytes:,} B compiled); "
-          f"CPU medians of {args.repeats}")
-    print(f"{'run':20s} {'exact':>6s} {'peak saved B':>14s} {'/compiled':>9s} {'CPU ms':>8s} {'ratio':>6s}  "
-          f"{'A100 pred':>9s} {'H100 pred':>9s}")
-    for name, ((loss, grads, _), peak) in rows.items():
+          f"{device.type.upper()} medians of {args.repeats}")
+    print(f"{'run':20s} {'exact':>6s} {'peak saved B':>14s} {'/compiled':>9s} {device.type.upper() + ' ms':>8s} "
+          f"{'ratio':>6s}  {'A100 pred':>9s} {'H100 pred':>9s}" + ("  alloc peak B" if cuda else ""))
+    for name, ((loss, grads, _, alloc_peak), peak) in rows.items():
         want = eager_reference if name == "slackswap eager" else reference
         exact = "yes" if equal((loss, grads), want) else "NO"
         med = statistics.median(times[name])
@@ -154,7 +166,8 @@ def main(argv=None) -> int:
                 ideal = keep_all_result(profile, hw).step_s
                 preds.append(f"{100 * ideal / simulate(lower(profile, plan), hw).step_s:8.1f}%")
         print(f"{name:20s} {exact:>6s} {peak:>14,} {peak / keep_all_bytes:9.2f} {1e3 * med:8.1f} {med / base:6.2f}  "
-              + (" ".join(f"{p:>9s}" for p in preds) if preds else f"{'-':>9s} {'-':>9s}"))
+              + (" ".join(f"{p:>9s}" for p in preds) if preds else f"{'-':>9s} {'-':>9s}")
+              + (f"  {alloc_peak:12,}" if alloc_peak is not None else ""))
     return 0
 
 

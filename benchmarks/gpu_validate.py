@@ -3,7 +3,7 @@
     python benchmarks/gpu_validate.py            # on a CUDA machine
     python benchmarks/gpu_validate.py --dry-run  # tiny shapes on CPU: checks the script itself
 
-Four parts, each printed as it finishes (a part that fails prints its error and the next runs):
+Five parts, each printed as it finishes (a part that fails prints its error and the next runs):
 
 1. the GPU tests: ``pytest tests/runtime/test_cuda.py tests/runtime/test_device.py`` (CUDA-only
    tests skip elsewhere);
@@ -16,7 +16,9 @@ Four parts, each printed as it finishes (a part that fails prints its error and 
    16, bf16): 5 SGD steps under SlackSwap at 50% and 5 under full checkpointing from the same
    weights and data, their losses side by side, and the throughput ratio SlackSwap / checkpointing;
 4. `activation_budget: "auto"` on this GPU: the allocator's room beside GPT-2 medium's model state
-   (after an Adam step), against the 16 B per parameter the CPU rule assumes.
+   (after an Adam step), against the 16 B per parameter the CPU rule assumes;
+5. compiled training side by side (benchmarks/compiled_side_by_side.py, GPT-2 small shape with each
+   block compiled by inductor): exactness, saved-bytes and allocator peaks, step times.
 
 What "alloc peak" includes: every allocation made during the step (activations, gradients,
 workspaces, prefetched copies) above what was allocated before it (weights, optimizer state).
@@ -265,6 +267,19 @@ def part_auto(args, device, gpu: Gpu) -> None:
         f"{model_state_bytes(params):,} B; auto budget {auto_budget_bytes(total, state):,} B")
 
 
+def part_compiled(args, device, gpu: Gpu) -> None:
+    """benchmarks/compiled_side_by_side.py on this device: SlackSwap on inductor blocks vs the
+    partitioner's activation_memory_budget vs eager SlackSwap, one budget, one run."""
+    if str(ROOT) not in sys.path:  # (run as a script: its folder is on the path, not the repository)
+        sys.path.insert(0, str(ROOT))
+    from benchmarks import compiled_side_by_side
+
+    say("\n== 5. compiled side by side ==")
+    shape = ["--layers", "12", "--hidden", "768", "--seq", "1024", "--batch", "4"] if not args.dry_run else \
+        ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "2", "--repeats", "1"]
+    compiled_side_by_side.main([*shape, "--device", device.type])
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (dry run)"
 
@@ -284,7 +299,7 @@ def main(argv=None) -> int:
     gpu = Gpu(device)
     say(f"gpu_validate on {gpu_name()}, torch {torch.__version__}")
     t0 = time.perf_counter()
-    parts = ([] if args.skip_tests or args.dry_run else [part_tests]) + [part_medium, part_xl, part_auto]
+    parts = ([] if args.skip_tests or args.dry_run else [part_tests]) + [part_medium, part_xl, part_auto, part_compiled]
     for part in parts:
         try:
             part(args) if part is part_tests else part(args, device, gpu)
