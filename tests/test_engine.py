@@ -149,6 +149,35 @@ def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_els
         _steps({"plan_file": str(path), "activation_budget": 0.7, "plan_file_mismatch": "error"})
 
 
+def _run_lengths(lengths, config: dict | None = None, backend: str | None = None):
+    """Tiny GPT-2 (each block compiled by `backend`, if given), one step per sequence length, through
+    the runtime's lifecycle with `config` (profile_steps 1 on an A100 preset) or, with None, without
+    SlackSwap: losses, final gradients, the runtime, and each planned step's (peak, budget)."""
+    import torch
+
+    model = _gpt2()
+    model.config.use_cache = False
+    if backend is not None:
+        for i, block in enumerate(model.transformer.h):
+            model.transformer.h[i] = torch.compile(block, backend=backend)
+    engine = _EngineShim(model)
+    runtime = None
+    if config is not None:
+        runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                      "profile_steps": 1, **config}}))
+        runtime.attach()
+    torch.manual_seed(1)
+    losses, peaks = [], []
+    for seq in lengths:
+        ids = torch.randint(1, 128, (2, seq))
+        loss = engine.forward(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        losses.append(loss.item())
+        if runtime is not None and runtime.active_plan is not None:
+            peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes))
+    return losses, [p.grad for p in model.parameters()], runtime, peaks
+
+
 def test_a_jobs_plan_file_planned_again_by_slackswap_plan_is_adopted_by_the_next_job(tmp_path, caplog, capsys):
     """A job writes its plan_file (each plan with the step it measured); `slackswap plan --plan-file`
     plans those steps again offline with another planner and budget; a job with that planner and
@@ -172,28 +201,9 @@ def test_a_jobs_plan_file_planned_again_by_slackswap_plan_is_adopted_by_the_next
     assert {e.made_for.planner for e in offline.values()} == {"recompute-knapsack"}
     assert all(e.made_for.budget_bytes == int(0.6 * e.profile.total_bytes) for e in offline.values())
 
-    def run(config: dict | None):
-        model = _gpt2()
-        engine = _EngineShim(model)
-        runtime = None
-        if config is not None:
-            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
-                                                                          "profile_steps": 1, **config}}))
-            runtime.attach()
-        torch.manual_seed(1)
-        losses, peaks = [], []
-        for seq in seqs:
-            ids = torch.randint(1, 128, (2, seq))
-            loss = engine.forward(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            losses.append(loss.item())
-            if runtime is not None and runtime.active_plan is not None:
-                peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes))
-        return losses, [p.grad for p in model.parameters()], runtime, peaks
-
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
-        losses, grads, runtime, peaks = run({"plan_file": str(second), "derive_shapes": False,
-                                             "planner": "recompute-knapsack", "activation_budget": 0.6})
+        losses, grads, runtime, peaks = _run_lengths(seqs, {"plan_file": str(second), "derive_shapes": False,
+                                                            "planner": "recompute-knapsack", "activation_budget": 0.6})
     messages = [r.getMessage() for r in caplog.records]
     assert sum(f"using the plan in plan_file {second}" in m for m in messages) == 2, messages
     assert not any("has no plan made for this job" in m for m in messages)
@@ -201,7 +211,7 @@ def test_a_jobs_plan_file_planned_again_by_slackswap_plan_is_adopted_by_the_next
     assert sorted(s.plan.decisions for s in runtime.shapes.values()) == \
         sorted(e.plan.decisions for e in offline.values())
     assert len(peaks) == 3 and all(peak <= budget for peak, budget in peaks), peaks
-    plain_losses, plain_grads, _, _ = run(None)
+    plain_losses, plain_grads, _, _ = _run_lengths(seqs)
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
 
 
@@ -961,30 +971,8 @@ def test_a_model_compiled_per_block_trains_under_the_runtime_as_the_same_compile
 
     from slackswap_ds.runtime.compiled import CompiledCodeError
 
-    def run(enabled: bool):
-        model = _gpt2()
-        model.config.use_cache = False
-        for i, block in enumerate(model.transformer.h):
-            model.transformer.h[i] = torch.compile(block, backend="inductor")
-        engine = _EngineShim(model)
-        runtime = None
-        if enabled:
-            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
-                                                                          "profile_steps": 1, "activation_budget": 0.9}}))
-            runtime.attach()
-        torch.manual_seed(1)
-        losses, peaks = [], []
-        for _ in range(5):
-            ids = torch.randint(1, 128, (2, 16))
-            loss = engine.forward(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            losses.append(loss.item())
-            if runtime is not None and runtime.active_plan is not None:
-                peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes))
-        return losses, [p.grad for p in model.parameters()], peaks
-
-    losses, grads, peaks = run(True)
-    plain_losses, plain_grads, _ = run(False)
+    losses, grads, _, peaks = _run_lengths([16] * 5, {"activation_budget": 0.9}, "inductor")
+    plain_losses, plain_grads, _, _ = _run_lengths([16] * 5, None, "inductor")
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     assert len(peaks) == 3 and all(peak <= budget for peak, budget in peaks), peaks
 
@@ -1017,30 +1005,7 @@ def test_compiled_blocks_on_new_lengths_every_step_stay_exact_and_within_budget(
     import torch
 
     lengths = [random.Random(3).randint(6, 40) for _ in range(10)]
-
-    def run(enabled: bool):
-        model = _gpt2()
-        model.config.use_cache = False
-        for i, block in enumerate(model.transformer.h):
-            model.transformer.h[i] = torch.compile(block, backend="aot_eager")
-        engine = _EngineShim(model)
-        runtime = None
-        if enabled:
-            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
-                                                                          "profile_steps": 1, "activation_budget": 0.9}}))
-            runtime.attach()
-        torch.manual_seed(1)
-        losses, peaks = [], []
-        for seq in lengths:
-            ids = torch.randint(1, 128, (2, seq))
-            loss = engine.forward(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            losses.append(loss.item())
-            if runtime is not None and runtime.active_plan is not None:
-                peaks.append((runtime.last_stats.peak_device_bytes, runtime.active_plan.budget_bytes))
-        return losses, [p.grad for p in model.parameters()], peaks
-
-    losses, grads, peaks = run(True)
-    plain_losses, plain_grads, _ = run(False)
+    losses, grads, _, peaks = _run_lengths(lengths, {"activation_budget": 0.9}, "aot_eager")
+    plain_losses, plain_grads, _, _ = _run_lengths(lengths, None, "aot_eager")
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     assert len(peaks) >= 6 and all(peak <= budget for peak, budget in peaks), peaks
