@@ -4,13 +4,16 @@ A dispatch mode (the profiler's tracer, a recording of a layer call to replay) t
 torch.compile'd code runs makes Dynamo run that code eagerly, and the compiled module keeps running
 eagerly on later calls too (measured with torch 2.13, inductor on CPU: the loss becomes the
 uncompiled model's). So SlackSwap never lets a dispatch mode see compiled code. What it can do
-today is plan *around* compiled layers, torchtitan's pattern (`blocks[i] = torch.compile(blocks[i])`):
+today is plan at the boundary of compiled layers, torchtitan's pattern (`blocks[i] = torch.compile(blocks[i])`):
 
 * each compiled layer of a block stack is one opaque region: its call runs with every dispatch
   mode suspended (`ModesSuspended`), so it runs as compiled, and the profiler times it as one op;
 * its saved tensors (AOTAutograd's, packed by the ordinary saved-tensor hooks when the compiled
-  forward saves them) are kept or swapped per tensor, never recomputed: their bytes are exact
-  copies either way, so the gradients are the compiled model's;
+  forward saves them) are kept, swapped, or recomputed per tensor. Recomputing runs the call
+  again, whole and compiled, in backward, from the default generators' states it started from
+  (replay.run_compiled_replay, as torch.utils.checkpoint does): the compiled forward saves the same
+  tensors in the same order, so its n-th save regenerates forward's n-th (`hooks` counts them);
+  a verifying step checks the bytes, as for any replay;
 * the eager rest of the model (embeddings, head, eager layers) is planned as before.
 
 A compiled module anywhere else (the whole model: `torch.compile(model)`, `engine.compile()`, Hugging
@@ -83,8 +86,8 @@ def compiled_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> fr
     raise CompiledCodeError(
         f"SlackSwap cannot plan this model: {what}. It plans around compiled layers, each layer of a block stack "
         f"compiled on its own (`for i, block in enumerate(blocks): blocks[i] = torch.compile(block)`, as "
-        f"torchtitan does): keep or swap inside them, recompute outside. Compile the blocks instead, or train "
-        f"uncompiled under SlackSwap, or compiled without it (\"enabled\": false)")
+        f"torchtitan does), each block's call one unit it keeps, swaps or runs again. Compile the blocks instead, "
+        f"or train uncompiled under SlackSwap, or compiled without it (\"enabled\": false)")
 
 
 class CompiledLayers:
