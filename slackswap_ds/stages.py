@@ -40,12 +40,11 @@ from .config import SlackSwapConfig
 from .deepspeed_api import (checkpointing_set_aside, hook_pipeline, is_train_schedule, micro_batch_inputs,
                             stage_of, stage_ranks)
 from .errors import SlackSwapError
-from .logs import EVERY_RANK, SayOnce, job_rank, log, said_once_per_job
+from .logs import EVERY_RANK, SayOnce, job_rank, log
 from .plan import Plan
 from .plans import PlanMaker, plan_summary
 from .profile import StepProfile
 from .reporting import StepReports, at_exit, measured_on
-from .runtime.compiled import CompiledCodeError, check_model
 from .runtime.executor import Executor
 from .runtime.device import device_of
 from .runtime.stats import StepStats
@@ -96,11 +95,7 @@ class StageRuntime:
         return self.plans.holds
 
     def attach(self) -> None:
-        self.module = self.engine.module
-        try:
-            check_model(self.module)  # a compiled part SlackSwap cannot plan around: stop, said once
-        except CompiledCodeError as e:
-            raise said_once_per_job(e) from None
+        self.module = self.engine.module  # (a compiled part it cannot plan stopped initialize already)
         self.plans = PlanMaker.for_engine(self.engine, self.cfg)
         self.device_type = device_of(self.module).type
         self.reports = StepReports(self.cfg, self.plans.hw, self.device_type)

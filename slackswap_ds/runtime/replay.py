@@ -218,13 +218,10 @@ class ReplayMode(TorchDispatchMode):
         return out
 
 
-def run_replay(source: ReplaySource, call: CallRecord, rerun: frozenset[int], args: tuple, kwargs: dict,
-               enter_extra: Callable[[], ContextManager]) -> None:
-    """Run the replay of `call` (see the module docstring); `enter_extra` is a context manager
-    factory entered around it (checkpoint takeover). Raises ReplayError if it cannot finish."""
-    mode = ReplayMode(source, call, rerun)
-    if mode.remaining <= 0:
-        return
+@contextlib.contextmanager
+def _as_in_forward(call: CallRecord, enter_extra: Callable[[], ContextManager], *inner: ContextManager):
+    """What every replay of `call` runs under, eager or compiled: `replaying()` true on this thread,
+    grad on, forward's autocast state, `enter_extra()` (checkpoint takeover), then `inner`."""
     _tls.replaying = True
     try:
         with contextlib.ExitStack() as stack:
@@ -232,14 +229,28 @@ def run_replay(source: ReplaySource, call: CallRecord, rerun: frozenset[int], ar
             for kind, enabled, dtype in call.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
             stack.enter_context(enter_extra())
-            stack.enter_context(mode)
+            for cm in inner:
+                stack.enter_context(cm)
+            yield
+    finally:
+        _tls.replaying = False
+
+
+def run_replay(source: ReplaySource, call: CallRecord, rerun: frozenset[int], args: tuple, kwargs: dict,
+               enter_extra: Callable[[], ContextManager]) -> None:
+    """Run the replay of `call` (see the module docstring); `enter_extra` is a context manager
+    factory entered around it (checkpoint takeover). Raises ReplayError if it cannot finish."""
+    mode = ReplayMode(source, call, rerun)
+    if mode.remaining <= 0:
+        return
+    try:
+        with _as_in_forward(call, enter_extra, mode):
             call.module(*args, **kwargs)
         raise ReplayError(f"replay of {call.label!r} ended after {mode.k} ops without regenerating "
                           f"{mode.remaining} saved tensor(s) that forward made there")
     except _StopReplay:
         pass
     finally:
-        _tls.replaying = False
         mode.restore_generators()
 
 
@@ -272,21 +283,12 @@ def run_compiled_replay(source: ReplaySource, call: CallRecord, args: tuple, kwa
         raise ReplayError("a replay's own autograd graph was used for a gradient; replays only regenerate "
                           "saved tensors")
 
-    _tls.replaying = True
-    try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device is not None else []):
-            torch.set_rng_state(cpu)
-            if device is not None:
-                torch.cuda.set_rng_state(device)
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(torch.enable_grad())
-                for kind, enabled, dtype in call.autocast:
-                    stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-                stack.enter_context(enter_extra())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
-                call.module(*args, **kwargs)
-    finally:
-        _tls.replaying = False
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device is not None else []):
+        torch.set_rng_state(cpu)
+        if device is not None:
+            torch.cuda.set_rng_state(device)
+        with _as_in_forward(call, enter_extra, torch.autograd.graph.saved_tensors_hooks(pack, unpack)):
+            call.module(*args, **kwargs)
     if count[0] != call.packs:
         raise ReplayError(f"the compiled call {call.label!r} saved {count[0]} tensors when run again, {call.packs} "
                           f"in forward")

@@ -139,7 +139,8 @@ class StepTracer(TorchDispatchMode):
     def opaque_begin(self, args, kwargs) -> None:
         """A compiled layer's call starts (its region entered; dispatch modes about to be
         suspended): one op of its own, reading the call's tensor arguments, timed until
-        `opaque_end`. Its saved tensors are made inside, unseen: never recomputable."""
+        `opaque_end`. The storages first seen in its saves are made inside, unseen: this op makes
+        them (`saved`), so running the call again makes them again."""
         if self.closed or self.forward_done or not torch.is_grad_enabled() or _in_backward():
             return  # (not the step's: an evaluation, a call in backward)
         self._bind_last_node()
