@@ -35,7 +35,10 @@ def parse_args(argv=None):
     ap.add_argument("--params", help="write a sha256 of the final parameters (rank 0; gathered under ZeRO-3) here")
     ap.add_argument("--compile-blocks", metavar="BACKEND",
                     help="torch.compile each transformer block with BACKEND (inductor, aot_eager), as torchtitan "
-                         "does; SlackSwap keeps or swaps inside them and recomputes outside")
+                         "does; SlackSwap keeps, swaps or runs again each block's compiled call")
+    ap.add_argument("--compile-model", metavar="BACKEND",
+                    help="engine.compile(backend=BACKEND) after initialize: the whole model compiled; SlackSwap "
+                         "compiles each block on its own instead (said in the log)")
     ap = deepspeed.add_config_arguments(ap)
     return ap.parse_args(argv)
 
@@ -86,6 +89,8 @@ def main(argv=None) -> int:
     rank = torch.distributed.get_rank()
     engine, _, _, _ = ss.initialize(args=args, model=model, model_parameters=model.parameters(),
                                     config=args.deepspeed_config)
+    if args.compile_model:
+        engine.compile(backend=args.compile_model)
     batch = engine.train_micro_batch_size_per_gpu()
     data = torch.Generator().manual_seed(args.seed + rank)  # each data-parallel rank its own tokens
     torch.manual_seed(args.seed + 1000 + rank)  # dropout: fixed per rank, identical with or without SlackSwap

@@ -68,7 +68,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine = out[0]
     if cfg.enabled:
         setup_logging(cfg.log_level)
-        refuse_what_cannot_be_planned(engine.module)
+        take_compiled_model(engine)
         if is_pipeline_engine(engine):  # its own schedule, several micro-batches in flight: stages.py
             from .stages import StageRuntime
 
@@ -92,11 +92,21 @@ def check_compile_section(ds_config: dict) -> None:
                            'plan decides), or "slackswap": {"enabled": false} (DeepCompile decides)'])
 
 
-def refuse_what_cannot_be_planned(module) -> None:
-    """A compiled part of the model that SlackSwap cannot plan around (runtime/compiled.py) stops the
-    job, said once: at initialize, and at the first step (engine.compile() may come in between)."""
+def take_compiled_model(engine) -> None:
+    """The engine's model in SlackSwap's compile layout (runtime/compile_layout.py: each block compiled
+    on its own, said in the log if that changed anything), at initialize and again at the first step
+    (engine.compile() may come in between). What it cannot take stops the job, said once."""
     try:
-        check_model(module)
+        if getattr(engine, "is_deepcompile_active", lambda: False)():
+            raise CompiledCodeError('DeepCompile ("compile": {"deepcompile": true} and engine.compile()) compiles the '
+                                    'whole model through its own graph passes, and SlackSwap carries its plans out '
+                                    'per compiled block: use one of them. Without "deepcompile", engine.compile() '
+                                    'works with SlackSwap (each block compiled on its own)')
+        if getattr(engine, "_is_compiled_autograd_enabled", False):
+            raise CompiledCodeError("engine.compile(compiled_autograd_enabled=True) compiles backward, where SlackSwap "
+                                    "brings saved tensors back and runs blocks again: leave compiled autograd off "
+                                    "under SlackSwap")
+        check_model(engine.module)
     except CompiledCodeError as e:
         raise said_once_per_job(e) from None
 
@@ -158,7 +168,7 @@ class SlackSwapRuntime:
             return kwargs  # a second forward in the same step
         self.steps += 1
         if self.steps == 1:
-            refuse_what_cannot_be_planned(self.module)
+            take_compiled_model(self.engine)
         key = self.step_shapes = shape_key(args, kwargs)
         run = Run.SHELTER if self.steps <= self.cfg.profile_steps else self.shapes.runner_for(key, self.plans.pool)
         if run is Run.PROFILE and self._derived_plan(key):

@@ -58,6 +58,12 @@ def zero_stages_job(tmp_path_factory) -> dict[str, tuple[list[float], str]]:
         config["slackswap"].update(enabled=enabled, activation_budget=0.6)
         add(f"blocks-{'on' if enabled else 'off'}", config, 5)
         runs[-1][1] += ["--compile-blocks", "inductor", "--layers", "8"]
+    # the whole model compiled by engine.compile() (aot_eager: per block it computes the same numbers)
+    for enabled in (False, True):
+        config = base_config(0)
+        config["slackswap"].update(enabled=enabled, activation_budget=0.6)
+        add(f"whole-{'on' if enabled else 'off'}", config, 5)
+        runs[-1][1] += ["--compile-model", "aot_eager", "--layers", "8"]
     # then a job that writes its plan_file, and one that finds it (each its own trace_file)
     for name, steps in (("file1", 5), ("file2", 4)):
         config = base_config(0)
@@ -149,10 +155,11 @@ def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_els
         _steps({"plan_file": str(path), "activation_budget": 0.7, "plan_file_mismatch": "error"})
 
 
-def _run_lengths(lengths, config: dict | None = None, backend: str | None = None):
-    """Tiny GPT-2 (each block compiled by `backend`, if given), one step per sequence length, through
-    the runtime's lifecycle with `config` (profile_steps 1 on an A100 preset) or, with None, without
-    SlackSwap: losses, final gradients, the runtime, and each planned step's (peak, budget)."""
+def _run_lengths(lengths, config: dict | None = None, backend: str | None = None, compile_after=None):
+    """Tiny GPT-2 (each block compiled by `backend`, if given; `compile_after(model)` once the runtime
+    attached, if given), one step per sequence length, through the runtime's lifecycle with `config`
+    (profile_steps 1 on an A100 preset) or, with None, without SlackSwap: losses, final gradients,
+    the runtime, and each planned step's (peak, budget)."""
     import torch
 
     model = _gpt2()
@@ -166,6 +173,8 @@ def _run_lengths(lengths, config: dict | None = None, backend: str | None = None
         runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
                                                                       "profile_steps": 1, **config}}))
         runtime.attach()
+    if compile_after is not None:
+        compile_after(model)
     torch.manual_seed(1)
     losses, peaks = [], []
     for seq in lengths:
@@ -309,6 +318,22 @@ def test_a_model_compiled_per_block_trains_as_the_same_compiled_job_without_slac
     "enabled": false, one plan line, every planned step within its budget."""
     (losses_on, log_on), (losses_off, _) = zero_stages_job["blocks-on"], zero_stages_job["blocks-off"]
     assert len(losses_on) == 5 and losses_on == losses_off
+    assert len(re.findall(r"slackswap rank 0: .* plan [0-9a-f]{12} agreed over torch.distributed by 2 ranks",
+                          log_on)) == 1
+    measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
+    assert len(measured) == 2 and all(a <= b for a, b in measured), measured
+
+
+@sharing("zero_stages_job")
+def test_a_model_compiled_whole_by_engine_compile_trains_as_the_same_compiled_job_without_slackswap(zero_stages_job):
+    """launch/train.py --compile-model aot_eager (engine.compile() after initialize) on 2 ranks: SlackSwap
+    says once that it compiles each block on its own instead; losses equal to the job compiled whole with
+    "enabled": false, one plan line, every planned step within its budget."""
+    (losses_on, log_on), (losses_off, log_off) = zero_stages_job["whole-on"], zero_stages_job["whole-off"]
+    assert len(losses_on) == 5 and losses_on == losses_off
+    assert log_on.count("this model's compilation changed: the whole model (module.compile(), backend aot_eager) "
+                        "runs eagerly around its blocks, and 8 block(s) of transformer.h") == 1
+    assert "compilation changed" not in log_off
     assert len(re.findall(r"slackswap rank 0: .* plan [0-9a-f]{12} agreed over torch.distributed by 2 ranks",
                           log_on)) == 1
     measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
@@ -965,24 +990,48 @@ def test_a_model_compiled_per_block_trains_under_the_runtime_as_the_same_compile
     """The engine's lifecycle (warm-up in the shelter, a profiled step, planned steps) over GPT-2 with
     each block compiled (inductor): every loss and the final gradients equal the same compiled model
     trained without SlackSwap, the planned steps within the budget (0.9: with 2 layers one compiled
-    block, whose backward reads all its saved tensors at once, is half the step). engine.compile() (the whole
-    model, in place) stops at the next step with the construct named."""
+    block, whose backward reads all its saved tensors at once, is half the step)."""
     import torch
-
-    from slackswap_ds.runtime.compiled import CompiledCodeError
 
     losses, grads, _, peaks = _run_lengths([16] * 5, {"activation_budget": 0.9}, "inductor")
     plain_losses, plain_grads, _, _ = _run_lengths([16] * 5, None, "inductor")
     assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
     assert len(peaks) == 3 and all(peak <= budget for peak, budget in peaks), peaks
 
-    model = _gpt2()
-    engine = _EngineShim(model)
-    SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4"}})).attach()
-    model.compile(backend="aot_eager")  # what DeepSpeed's engine.compile() does to the engine's module
-    ids = torch.randint(1, 128, (2, 16))
-    with pytest.raises(CompiledCodeError, match="the whole model"):
-        engine.forward(input_ids=ids, labels=ids)
+
+@pytest.mark.parametrize("how", ["engine.compile()", "accelerate regional"])
+def test_a_model_compiled_after_initialize_is_compiled_per_block_and_trains_as_before(how, caplog):
+    """The model compiled after the runtime attached, as DeepSpeed's engine.compile() does it (the
+    whole module in place) or Accelerate's regional compilation (each block and each other leaf in
+    place): at the first step SlackSwap compiles each block on its own instead, says so once, and
+    every loss and the final gradients equal the job compiled the user's way without SlackSwap
+    (aot_eager: the same numbers in either layout)."""
+    import logging
+
+    import torch
+
+    def compile_it(model):
+        if how == "engine.compile()":
+            model.compile(backend="aot_eager")
+            return
+        for block in model.transformer.h:  # accelerate.utils.compile_regions_deepspeed
+            block.compile(backend="aot_eager")
+        for leaf in (model.transformer.wte, model.transformer.wpe, model.transformer.ln_f, model.lm_head):
+            leaf.compile(backend="aot_eager")
+
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        losses, grads, _, peaks = _run_lengths([16] * 5, {"activation_budget": 0.9}, compile_after=compile_it)
+    plain_losses, plain_grads, _, _ = _run_lengths([16] * 5, None, compile_after=compile_it)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert len(peaks) == 3 and all(peak <= budget for peak, budget in peaks), peaks
+    said = [r.getMessage() for r in caplog.records if "compilation changed" in r.getMessage()]
+    assert len(said) == 1, said
+    if how == "engine.compile()":
+        assert "the whole model (module.compile(), backend aot_eager) runs eagerly around its blocks, and 2 " \
+               "block(s) of transformer.h are compiled each on its own" in said[0]
+    else:
+        assert "transformer.wte (module.compile(), backend aot_eager) runs eagerly (it is outside the block " \
+               "stacks)" in said[0] and "lm_head" in said[0]
 
 
 def test_deepcompile_offload_activation_beside_an_enabled_section_is_a_config_error():

@@ -16,10 +16,9 @@ today is plan at the boundary of compiled layers, torchtitan's pattern (`blocks[
   a verifying step checks the bytes, as for any replay;
 * the eager rest of the model (embeddings, head, eager layers) is planned as before.
 
-A compiled module anywhere else (the whole model: `torch.compile(model)`, `engine.compile()`, Hugging
-Face's `torch_compile=True`; or a compiled part inside an eager layer) is refused with
-`CompiledCodeError`, naming it and what to do: its saved tensors cannot be planned from outside
-without running it eagerly.
+A model compiled another way (the whole model: `torch.compile(model)`, `engine.compile()`, Hugging
+Face's `torch_compile=True`; a compiled part inside a layer or outside the block stacks) is changed
+to this layout first, and the log says so (compile_layout.py).
 """
 
 from __future__ import annotations
@@ -32,67 +31,28 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import SlackSwapError
+from .compile_layout import CompiledCodeError, compiled_parts, is_compiled, to_per_block
 from .regions import find_layers
 
 __all__ = ["CompiledCodeError", "CompiledLayers", "ModesSuspended", "check_model", "compiled_layers", "is_compiled"]
 
 
-class CompiledCodeError(SlackSwapError):
-    """A compiled part of the model that SlackSwap cannot plan around (see the module docstring)."""
-
-
-def is_compiled(module: nn.Module) -> bool:
-    """torch.compile(module) (an OptimizedModule) or module.compile() (in place; DeepSpeed's
-    engine.compile() does this to the model)."""
-    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
-
-
-def _compiled_parts(model: nn.Module) -> list[str]:
-    """Paths of the outermost compiled modules of `model` ("" for the model itself)."""
-    found: list[str] = []
-
-    def visit(module: nn.Module, path: str) -> None:
-        if is_compiled(module):
-            found.append(path)
-            return
-        for name, child in module.named_children():
-            visit(child, f"{path}.{name}" if path else name)
-
-    visit(model, "")
-    return found
-
-
 def check_model(model: nn.Module) -> frozenset[str]:
-    """The compiled layers of `model`'s block stacks; CompiledCodeError for any compiled part that is
-    not one (compiled_layers)."""
+    """The compiled layers of `model`'s block stacks, after changing it to SlackSwap's compile
+    layout (compiled_layers)."""
     return compiled_layers(model, find_layers(model))
 
 
 def compiled_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> frozenset[str]:
-    """The paths of `layers` (regions.find_layers) that are compiled; CompiledCodeError for a
-    compiled part of `model` that is not one of them."""
-    paths = {path for path, _ in layers}
-    parts = _compiled_parts(model)
-    others = [p for p in parts if p not in paths]
-    if not others:
-        return frozenset(parts)
-    if others == [""]:
-        what = f"the whole model ({type(model).__name__}) is compiled: torch.compile(model), engine.compile() " \
-               f"or Hugging Face's torch_compile=True"
-    else:
-        what = f"{', '.join(others[:4])}{' ...' if len(others) > 4 else ''} {'is' if len(others) == 1 else 'are'} " \
-               f"compiled inside an eager layer or outside the block stacks"
-    raise CompiledCodeError(
-        f"SlackSwap cannot plan this model: {what}. It plans around compiled layers, each layer of a block stack "
-        f"compiled on its own (`for i, block in enumerate(blocks): blocks[i] = torch.compile(block)`, as "
-        f"torchtitan does), each block's call one unit it keeps, swaps or runs again. Compile the blocks instead, "
-        f"or train uncompiled under SlackSwap, or compiled without it (\"enabled\": false)")
+    """The paths of `layers` (regions.find_layers) that are compiled, once `model` is in SlackSwap's
+    compile layout (compile_layout.to_per_block: every compiled part is then one of them)."""
+    to_per_block(model, layers)
+    return frozenset(compiled_parts(model))
 
 
 class CompiledLayers:
-    """The compiled layers of a model's block stacks (`paths`; CompiledCodeError for a compiled part
-    that is not one) and the hooks their calls run under."""
+    """The compiled layers of a model's block stacks (`paths`, once the model is in SlackSwap's
+    compile layout) and the hooks their calls run under."""
 
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]]):
         self.paths = compiled_layers(model, layers)

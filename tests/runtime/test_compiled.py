@@ -2,7 +2,8 @@
 compiled under every plan (its saves kept, swapped, or recomputed by running the call again whole
 from its random state), loss and every gradient equal to the same compiled model without SlackSwap
 (dropout on), within the budget, with no recompilation once planned; any other compiled part is
-refused by name, never trained with other numerics or wrong gradients.
+first changed to that layout (compile_layout.py) and said in the log; what cannot be is refused by
+name, never trained with wrong gradients.
 
 The suite keeps aot_eager on three families and inductor on GPT-2; `benchmarks/compiled_sweep.py`
 runs the full sweep (every family, inductor, more random plans)."""
@@ -76,14 +77,31 @@ def plans_for(prof, random_plans: int) -> dict:
     return plans
 
 
-def check_every_plan(name: str, backend: str, random_plans: int) -> None:
+def compile_whole(model: torch.nn.Module, backend: str, how: str) -> torch.nn.Module:
+    if how == "torch.compile(model)":
+        return torch.compile(model, backend=backend)
+    model.compile(backend=backend)  # DeepSpeed's engine.compile() and HF torch_compile=True through it
+    return model
+
+
+def check_every_plan(name: str, backend: str, random_plans: int, whole: str | None = None) -> None:
+    """Every plan of `plans_for` on model `name` compiled per block, or whole (`whole`: how), with
+    `backend`: loss and every gradient equal to the compiled model without SlackSwap (compiled whole:
+    with aot_eager, the model as the user compiled it; with inductor, per block as SlackSwap compiles
+    it, see compile_layout.py), within the budget, no recompilation once planned."""
     model, batch = build(name)
-    model = compile_blocks(without_caches(model), backend)
+    model = without_caches(model)
+    model = compile_blocks(model, backend) if whole is None else compile_whole(model, backend, whole)
     reference = run(model, zoo.step, batch)
     assert_exact(run(model, zoo.step, batch), reference)  # (the compiled model is deterministic here)
     # (1 ms an op: a whole compiled block is one op, and at 1 us none of its copies would hide)
     torch.manual_seed(1)
     prof = ss.profile_step(model, zoo.step, batch, warmup=0, timer=fake_clock(1e-3))
+    if whole is not None:
+        per_block = run(model, zoo.step, batch)  # (the layout SlackSwap changed it to, no plan)
+        if backend == "aot_eager":
+            assert_exact(per_block, reference)
+        reference = per_block
     compiled_ops = [op for op in prof.ops if op.key.endswith(":compiled")]
     assert len(compiled_ops) == len(find_layers(model)), "one opaque op per compiled block call"
     inside = [a for a in prof.activations if prof.ops[a.saved_at].key.endswith(":compiled")]
@@ -115,6 +133,18 @@ def test_every_plan_of_gpt2_compiled_per_block_with_inductor_is_exact():
     check_every_plan("gpt2", "inductor", random_plans=3)
 
 
+@pytest.mark.parametrize("name, how", [("gpt2", "torch.compile(model)"), ("llama", "model.compile()"),
+                                       ("bert", "torch.compile(model)")])
+def test_every_plan_of_a_model_compiled_whole_is_exact_aot_eager(name, how):
+    """Compiled whole, SlackSwap compiles each block on its own instead (compile_layout.py): with
+    aot_eager, every plan gives the loss and gradients of the model compiled whole."""
+    check_every_plan(name, "aot_eager", random_plans=3, whole=how)
+
+
+def test_every_plan_of_gpt2_compiled_whole_with_inductor_is_exact_to_it_compiled_per_block():
+    check_every_plan("gpt2", "inductor", random_plans=3, whole="model.compile()")
+
+
 def test_the_same_blocks_uncompiled_are_still_planned_as_before():
     """Beside the compiled path, an eager model keeps its recomputes (nothing opaque)."""
     model, batch = zoo.ZOO["gpt2-sdpa"].build(torch.float32)
@@ -123,25 +153,36 @@ def test_the_same_blocks_uncompiled_are_still_planned_as_before():
     assert any(a.recomputable for a in prof.activations)
 
 
-@pytest.mark.parametrize("how", ["whole model", "module.compile()", "inside a block"])
-def test_a_compiled_part_that_is_not_a_block_is_refused_by_name(how):
+def test_a_compiled_part_inside_a_block_makes_the_block_compiled_and_is_said(caplog):
+    """`h[1].mlp` compiled inside an eager block: SlackSwap compiles block h.1 whole with its settings
+    instead (and says so); every plan exact (aot_eager: the same numbers in either layout)."""
+    import logging
+
     model, batch = zoo.ZOO["gpt2-sdpa"].build(torch.float32)
     without_caches(model)
-    if how == "whole model":
-        target, named = torch.compile(model, backend="aot_eager"), "the whole model"
-    elif how == "module.compile()":  # DeepSpeed's engine.compile() compiles the module in place
-        model.compile(backend="aot_eager")
-        target, named = model, "the whole model"
-    else:
-        model.transformer.h[1].mlp = torch.compile(model.transformer.h[1].mlp, backend="aot_eager")
-        target, named = model, "transformer.h.1.mlp"
-    with pytest.raises(CompiledCodeError, match=named) as e:
-        profile(target, zoo.step, batch)
-    assert "torch.compile(block)" in str(e.value) and '"enabled": false' in str(e.value)
-    eager, _ = zoo.ZOO["gpt2-sdpa"].build(torch.float32)
-    prof = profile(without_caches(eager), zoo.step, batch)
-    with pytest.raises(CompiledCodeError, match=named):
-        ss.apply(target, ss.plan(prof, "a100-80g-pcie4", 0.5), prof)
+    model.transformer.h[1].mlp = torch.compile(model.transformer.h[1].mlp, backend="aot_eager")
+    reference = run(model, zoo.step, batch)
+    torch.manual_seed(1)
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        prof = ss.profile_step(model, zoo.step, batch, warmup=0, timer=fake_clock(1e-3))
+    assert "transformer.h.1.mlp (torch.compile(module), backend aot_eager) runs eagerly around its blocks, and 1 " \
+           "block(s) of transformer.h are compiled each on its own" in caplog.text
+    assert [op.key for op in prof.ops if op.key.endswith(":compiled")] and \
+        all("h.1" in op.key for op in prof.ops if op.key.endswith(":compiled"))
+    for seed in range(3):
+        ex = ss.apply(model, random_plan(prof, seed), prof)
+        assert_exact(run(model, zoo.step, batch, ex), reference)
+
+
+def test_a_part_compiled_by_something_else_is_refused_by_name():
+    """`_compiled_call_impl` set by something other than module.compile(): its settings cannot be read
+    to compile the blocks instead, so SlackSwap stops, naming it and what to do."""
+    model, batch = zoo.ZOO["gpt2-sdpa"].build(torch.float32)
+    without_caches(model)
+    model.transformer._compiled_call_impl = model.transformer._call_impl  # (someone's own wrapper)
+    with pytest.raises(CompiledCodeError, match="transformer .GPT2Model. is compiled by something other") as e:
+        profile(model, zoo.step, batch)
+    assert "torch.compile(blocks[i])" in str(e.value) and '"enabled": false' in str(e.value)
 
 
 class _BreakingBlock(torch.nn.Module):
