@@ -1,9 +1,13 @@
-"""Every architecture of the test zoo compiled per block, under every kind of plan: exact or not.
+"""Every architecture of the test zoo compiled per block (or whole), under every kind of plan: exact or not.
 
     python benchmarks/compiled_sweep.py [--backends aot_eager inductor] [--random 10] [--models gpt2-sdpa llama ...]
+                                        [--whole]
 
 For each model of tests/runtime/zoo.py (fp32, dropout on) and each backend, every layer of every block
-stack is replaced by its torch.compile (torchtitan's pattern), and one training step is run: without
+stack is replaced by its torch.compile (torchtitan's pattern), or with `--whole` the whole model is
+compiled (`model.compile()`, what DeepSpeed's engine.compile() does; SlackSwap compiles each block on its
+own instead when it takes the model: the reference is then that layout without a plan, and the row says
+whether it computes the same numbers as the model compiled whole), and one training step is run: without
 SlackSwap twice (the reference, and a check that the compiled model itself is deterministic), then under
 the slackswap planner's plans at 0.5 and 0.75 where the compiled blocks leave one feasible (a compiled
 block's backward reads all its saved tensors at once: with the zoo's 2 or 3 layers a block is a large
@@ -27,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 
 
-def sweep_one(name: str, backend: str, random_plans: int) -> dict:
+def sweep_one(name: str, backend: str, random_plans: int, whole: bool = False) -> dict:
     import slackswap_ds as ss
     from slackswap_ds.errors import BudgetInfeasibleError
     from slackswap_ds.hardware import Hardware
@@ -41,7 +45,11 @@ def sweep_one(name: str, backend: str, random_plans: int) -> dict:
 
     torch._dynamo.reset()  # (models share code objects, transformers' layer __call__: a fresh cache for each)
     model, batch = zoo.ZOO[name].build(torch.float32)
-    model = compile_blocks(without_caches(model), backend)
+    model = without_caches(model)
+    if whole:
+        model.compile(backend=backend)
+    else:
+        model = compile_blocks(model, backend)
     row = {"model": name, "backend": backend, "blocks": len(find_layers(model)), "plans": 0, "failures": []}
     try:
         reference = run(model, zoo.step, batch)
@@ -54,6 +62,10 @@ def sweep_one(name: str, backend: str, random_plans: int) -> dict:
         return row
     torch.manual_seed(1)
     prof = ss.profile_step(model, zoo.step, batch, warmup=0, timer=fake_clock(1e-3))
+    if whole:  # now in SlackSwap's layout: each block compiled on its own
+        per_block = run(model, zoo.step, batch)
+        row["as whole"] = _equal(per_block, reference)
+        reference = per_block
     plans = {}
     for budget in (0.5, 0.75):
         try:
@@ -100,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--backends", nargs="+", default=["aot_eager", "inductor"])
     ap.add_argument("--random", type=int, default=10, help="seeded random plans per model (default 10)")
     ap.add_argument("--models", nargs="+", help="zoo names (default: every one)")
+    ap.add_argument("--whole", action="store_true", help="compile the whole model (model.compile()), not each block")
     args = ap.parse_args(argv)
     import transformers
 
@@ -115,7 +128,7 @@ def main(argv=None) -> int:
     for backend in args.backends:
         for name in names:
             start = time.perf_counter()
-            row = sweep_one(name, backend, args.random)
+            row = sweep_one(name, backend, args.random, args.whole)
             seconds = time.perf_counter() - start
             result = "; ".join(row["failures"][:3]) if row["failures"] else row.get("skipped") or \
                 "exact, within budget, no recompile"
@@ -123,6 +136,9 @@ def main(argv=None) -> int:
             if row.get("early"):
                 extra.append(f"{', '.join(row['early'])}: over the budget by prefetches timed for an A100, as the "
                              f"simulator predicts for this CPU's synchronous copies")
+            if "as whole" in row:
+                extra.append("per block: the same numbers as compiled whole" if row["as whole"] else
+                             "per block: other numbers than compiled whole (inductor: dropout drawn per graph)")
             if row.get("infeasible"):
                 extra.append(f"slackswap infeasible at {', '.join(map(str, row['infeasible']))} (block floor)")
             print(f"{name:<24} {backend:<10} {row['blocks']:>6} {row['plans']:>5}  {seconds:7.1f}  {result}"

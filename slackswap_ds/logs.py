@@ -2,7 +2,7 @@
 
 Library output goes through the ``slackswap_ds`` logger. A job of N ranks says things once: on
 ranks other than 0 only warnings, errors and records marked `EVERY_RANK` (what differs on that
-rank) get through. `SayOnce` keeps a message that could repeat every step to its first time.
+rank) get through, and not warnings marked `SAME_ON_EVERY_RANK` (what every rank would say alike). `SayOnce` keeps a message that could repeat every step to its first time.
 """
 
 from __future__ import annotations
@@ -13,17 +13,23 @@ import os
 log = logging.getLogger("slackswap_ds")
 
 EVERY_RANK = {"every_rank": True}  # `extra=` of a record other ranks log too (what differs on them)
+SAME_ON_EVERY_RANK = {"same_on_every_rank": True}  # `extra=` of a warning only rank 0 logs (every rank has it alike)
 
 
 class RankZeroFilter(logging.Filter):
-    """On ranks other than 0, only warnings, errors and records marked EVERY_RANK get through."""
+    """On ranks other than 0, only warnings, errors and records marked EVERY_RANK get through (not
+    those marked SAME_ON_EVERY_RANK)."""
 
     def __init__(self, rank: int):
         super().__init__()
         self.rank = rank
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.rank == 0 or record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
+        if self.rank == 0:
+            return True
+        if getattr(record, "same_on_every_rank", False):
+            return False
+        return record.levelno >= logging.WARNING or getattr(record, "every_rank", False)
 
 
 def job_rank() -> int:
@@ -82,4 +88,4 @@ class SayOnce:
             log.log(level, message, *args, **kwargs)
 
 
-__all__ = ["EVERY_RANK", "RankZeroFilter", "SayOnce", "job_rank", "log", "said_once_per_job", "setup_logging"]
+__all__ = ["EVERY_RANK", "SAME_ON_EVERY_RANK", "RankZeroFilter", "SayOnce", "job_rank", "log", "said_once_per_job", "setup_logging"]

@@ -860,7 +860,7 @@ def test_taking_over_gradient_checkpointing_says_what_it_held_and_what_the_plan_
 def test_other_ranks_say_only_what_differs():
     import logging
 
-    from slackswap_ds.logs import EVERY_RANK, RankZeroFilter
+    from slackswap_ds.logs import EVERY_RANK, SAME_ON_EVERY_RANK, RankZeroFilter
 
     def passes(rank, level, extra=None):
         record = logging.LogRecord("slackswap_ds", level, __file__, 1, "m", (), None)
@@ -870,6 +870,7 @@ def test_other_ranks_say_only_what_differs():
 
     assert passes(0, logging.INFO) and not passes(1, logging.INFO) and not passes(3, logging.DEBUG)
     assert passes(1, logging.WARNING) and passes(1, logging.INFO, EVERY_RANK)
+    assert passes(0, logging.WARNING, SAME_ON_EVERY_RANK) and not passes(1, logging.WARNING, SAME_ON_EVERY_RANK)
 
 
 def test_at_most_max_shapes_plans_are_kept_least_recently_used_first_out(caplog):

@@ -22,14 +22,15 @@ SLACKSWAP = {"activation_budget": 0.5, "profile_steps": 1, "hardware": "a100-80g
 
 
 def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool, n: int = 2,
-           planner: str = "slackswap") -> tuple[list[float], str]:
-    """tests/adoption/<script>.py through `python -m slackswap_ds.run` under a launcher (`plain`:
-    DeepSpeed's launcher on the script itself), on `n` ranks: its losses and output."""
-    config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled, "planner": planner}}
+           planner: str = "slackswap", extra: tuple[str, ...] = (), **slackswap) -> tuple[list[float], str]:
+    """tests/adoption/<script>.py (with `extra` arguments) through `python -m slackswap_ds.run` under a
+    launcher (`plain`: DeepSpeed's launcher on the script itself), on `n` ranks, with SLACKSWAP's section
+    updated by `slackswap`: its losses and output."""
+    config = {**config, "slackswap": {**SLACKSWAP, "enabled": enabled, "planner": planner, **slackswap}}
     name = f"{script}.{launcher}.{n}.{'on' if enabled else 'off'}"
     cfg, losses = tmp_path / f"{name}.json", tmp_path / f"{name}.losses.json"
     cfg.write_text(json.dumps(config))
-    target = [str(SCRIPTS / f"{script}.py"), "--deepspeed_config", str(cfg), "--losses", str(losses)]
+    target = [str(SCRIPTS / f"{script}.py"), "--deepspeed_config", str(cfg), "--losses", str(losses), *extra]
     if launcher == "plain":  # `deepspeed script.py`: the package's start-up hook routes it (autoroute.py)
         cmd = deepspeed_line(n, *target)
     elif launcher == "deepspeed":
@@ -93,6 +94,24 @@ def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_ru
     reports = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
                re.findall(r"peak of saved activations ([\d,]+) B \(predicted [\d,]+ B, budget ([\d,]+) B\)", out_on)]
     assert warm_up <= budget and len(reports) == 4 and all(peak <= b == budget for peak, b in reports), reports
+
+
+@pytest.mark.slow
+def test_the_hf_trainer_with_torch_compile_trains_as_the_same_compiled_job_without_slackswap(tmp_path):
+    """TrainingArguments(torch_compile=True, torch_compile_backend="aot_eager"): Accelerate calls
+    engine.compile() on the whole model; SlackSwap compiles each block on its own instead, says so
+    once, and the losses equal the job compiled whole with "enabled": false; one plan line, every
+    planned step within the budget (0.9: with 2 layers, one compiled block is half the step)."""
+    runs = {enabled: launch(tmp_path, "plain", "hf_trainer", HF, enabled, extra=("--torch-compile", "aot_eager"),
+                            activation_budget=0.9) for enabled in (False, True)}
+    (losses_on, out_on), (losses_off, out_off) = runs[True], runs[False]
+    assert len(losses_on) == 6 and losses_on == losses_off
+    assert out_on.count("this model's compilation changed: the whole model (module.compile(), backend aot_eager)") == 1
+    assert "compilation changed" not in out_off
+    assert plans_logged(out_on) == ["0"]
+    reports = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
+               re.findall(r"peak of saved activations ([\d,]+) B \(predicted [\d,]+ B, budget ([\d,]+) B\)", out_on)]
+    assert len(reports) == 4 and all(peak <= budget for peak, budget in reports), reports
 
 
 @pytest.mark.parametrize("n, stage, planner", [(2, 0, "slackswap"), (4, 0, "slackswap"), (2, 2, "full-recompute"),

@@ -28,17 +28,15 @@ layout untouched.
 
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..errors import SlackSwapError
+from ..logs import SAME_ON_EVERY_RANK, log
 
 __all__ = ["CompiledCodeError", "LayoutChange", "compiled_parts", "is_compiled", "to_per_block"]
-
-log = logging.getLogger("slackswap_ds")
 
 _MADE_EAGER: weakref.WeakSet = weakref.WeakSet()  # OptimizedModules whose forward now runs their module eagerly
 
@@ -130,7 +128,7 @@ def to_per_block(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> tuple
         log.warning("slackswap: plans are carried out per compiled block, so this model's compilation changed: %s. "
                     "With the aot_eager backend this computes the same numbers; with inductor the job trains the "
                     "model compiled per block (dropout drawn per block's graph). \"enabled\": false keeps your "
-                    "compilation as it was", "; ".join(c.describe() for c in changes))
+                    "compilation as it was", "; ".join(c.describe() for c in changes), extra=SAME_ON_EVERY_RANK)
     return tuple(changes)
 
 

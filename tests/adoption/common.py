@@ -21,6 +21,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--deepspeed_config", required=True)
     ap.add_argument("--losses", required=True, help="rank 0 writes its per-step losses here (JSON)")
     ap.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher passes it
+    ap.add_argument("--torch-compile", metavar="BACKEND", help="Trainer scripts: TrainingArguments(torch_compile=True, "
+                    "torch_compile_backend=BACKEND)")
     return ap.parse_args(argv)
 
 
