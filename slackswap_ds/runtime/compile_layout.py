@@ -19,8 +19,11 @@ log says what changed:
   compiles the embedding, final norm and head each on its own) runs eagerly.
 
 What this does to the numbers: with the `aot_eager` (or `eager`) backend the new layout computes
-the same bits as the old one (tiny GPT-2, Llama and BERT, dropout on: loss and every gradient equal,
-whole model vs per block). With `inductor` it does not: inductor draws each graph's dropout masks
+the same loss as the old one, and the same gradients (the test zoo's decoder-only and encoder-only
+models, dropout on: every gradient equal, whole model vs per block) except where one tensor feeds
+several blocks: an encoder's output is read by every decoder layer, and autograd sums the parts of
+its gradient in another order than one compiled backward graph did (T5, BART, Pegasus: last bits of
+the encoder's gradients). With `inductor` it does not: inductor draws each graph's dropout masks
 from one seed per graph and fuses across block boundaries, so the job trains the model compiled per
 block (torchtitan's layout), and every plan is exact to that. `"enabled": false` keeps the user's
 layout untouched.
@@ -126,7 +129,9 @@ def to_per_block(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> tuple
         changes.append(LayoutChange(part, how, _backend_name(context), tuple(targets)))
     if changes:
         log.warning("slackswap: plans are carried out per compiled block, so this model's compilation changed: %s. "
-                    "With the aot_eager backend this computes the same numbers; with inductor the job trains the "
+                    "With aot_eager the numbers are the same (the gradients' last bits can differ where one tensor "
+                    "feeds several blocks, as an encoder's output feeds every decoder layer: autograd sums its "
+                    "gradient's parts in another order than the whole graph did); with inductor the job trains the "
                     "model compiled per block (dropout drawn per block's graph). \"enabled\": false keeps your "
                     "compilation as it was", "; ".join(c.describe() for c in changes), extra=SAME_ON_EVERY_RANK)
     return tuple(changes)

@@ -34,7 +34,25 @@ from torch.utils._python_dispatch import _disable_current_modes
 from .compile_layout import CompiledCodeError, compiled_parts, is_compiled, to_per_block
 from .regions import find_layers
 
-__all__ = ["CompiledCodeError", "CompiledLayers", "ModesSuspended", "check_model", "compiled_layers", "is_compiled"]
+__all__ = ["CompiledCodeError", "CompiledLayers", "ModesSuspended", "check_model", "compiled_layers",
+           "dynamo_never_compiles", "is_compiled"]
+
+
+def dynamo_never_compiles(*fns: Callable) -> None:
+    """Dynamo runs each of `fns`, and what it calls, as plain Python, never as a frame of its own to
+    compile. A saved-tensor hook is called from the eager code between a compiled block's graphs (a
+    graph break: MoE routing), where Dynamo's frame callback is active, and Dynamo compiled the hook
+    there as a function of its own (tracing SlackSwap's pack hook as the identity: those saves went
+    unseen by the plan and the budget; measured on torch 2.13 with Mixtral's blocks). Uses Dynamo's
+    per-code execution strategy (torch 2.6+); without it, nothing changes."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:  # pragma: no cover - another torch
+        return
+    for fn in fns:
+        set_code_exec_strategy(getattr(fn, "__func__", fn).__code__,
+                               FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 def check_model(model: nn.Module) -> frozenset[str]:
@@ -82,6 +100,7 @@ class CompiledLayers:
                     return pack(t)
                 finally:
                     call.packing = None
+            dynamo_never_compiles(counted)
             self._suspended.enter(torch.autograd.graph.saved_tensors_hooks(counted, unpack))
 
         def post(module, args, output):

@@ -65,7 +65,7 @@ from ..plan import Decision, Plan, Schedule, lower
 from ..profile import StepProfile
 from .aten import meta_of, no_dispatch
 from .calls import LayerCalls
-from .compiled import CompiledLayers
+from .compiled import CompiledLayers, dynamo_never_compiles
 from .device import Device
 from .entries import Entries
 from .flat import flatten_call
@@ -159,6 +159,7 @@ class Executor:
         self.takeover, self.observer = takeover, observer
         self.layers, self.regions = find_layers(model), RegionTracker()
         self.compiled = CompiledLayers(model, self.layers)  # (CompiledCodeError for what cannot be planned)
+        dynamo_never_compiles(self._pack, self._unpack)  # (called from compiled blocks' eager parts too)
         self.call_arguments: dict[str, list[str]] = {}  # without a plan: saved tensors each layer call takes
         self._lock = threading.RLock()
         released: collections.deque[Entry] = collections.deque()  # entries whose holders died

@@ -47,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..errors import SlackSwapError
 from .aten import (arg_at, by_value, generator_of, is_compute, is_random, meta_of, mutated_args, no_dispatch,
                    written_args)
+from .compiled import dynamo_never_compiles
 from .flat import flatten, unflatten
 from .records import CallRecord, Entry, OpRecord
 
@@ -283,6 +284,7 @@ def run_compiled_replay(source: ReplaySource, call: CallRecord, args: tuple, kwa
         raise ReplayError("a replay's own autograd graph was used for a gradient; replays only regenerate "
                           "saved tensors")
 
+    dynamo_never_compiles(pack, unpack)  # (called from the compiled call's eager parts)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device is not None else []):
         torch.set_rng_state(cpu)
         if device is not None:

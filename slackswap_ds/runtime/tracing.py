@@ -108,7 +108,7 @@ class StepTracer(TorchDispatchMode):
         self._node_op: dict[int, int] = {}
         self._nodes: list = []  # keep nodes alive so that their ids stay unique
         self._last_outputs: list[torch.Tensor] = []
-        self._opaque: tuple[TracedOp, float, float] | None = None  # the compiled call running now
+        self._opaque: tuple[TracedOp, float, float, set[int]] | None = None  # the compiled call running now
         self._opaque_bwd_start: float | None = None
 
     # ---- the executor's reports -------------------------------------------------------------------
@@ -148,18 +148,22 @@ class StepTracer(TorchDispatchMode):
         local = self._counts.get(region, 0)
         self._counts[region] = local + 1
         op = TracedOp(len(self.ops), region, local, "compiled", opaque=True)
-        op.reads = [self._sid_of(t) for t in tensors_in(args, kwargs) if not t.is_meta]
+        inputs = [t for t in tensors_in(args, kwargs) if not t.is_meta]
+        op.reads = [self._sid_of(t) for t in inputs]
         self.ops.append(op)
-        self._opaque = (op, self.timeline.now() if self.timeline is not None else 0.0, self.timer())
+        before = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}  # where its own autograd nodes end
+        self._opaque = (op, self.timeline.now() if self.timeline is not None else 0.0, self.timer(), before)
 
     def opaque_end(self, output) -> None:
-        """The compiled call returned `output`: its time, the storages it made, and its backward
-        timed by hooks on the autograd nodes of its outputs (the compiled backward's kernels are
-        as unseen as its forward's)."""
+        """The compiled call returned `output`: its time, the storages it made, and its backward:
+        every autograd node the call made is this op's (a graph break makes several: compiled
+        graphs and the eager code between them), so that a save unpacked by any of them is read by
+        this op, and its backward is timed by hooks on them (the compiled backward's kernels are as
+        unseen as its forward's)."""
         opaque, self._opaque = self._opaque, None
         if opaque is None:
             return
-        op, span, start = opaque
+        op, span, start, before = opaque
         op.fwd_s = self.timer() - start
         if self.timeline is not None:
             self.timeline.span("compute", "fwd", op.key, span, self.timeline.now())
@@ -174,11 +178,26 @@ class StepTracer(TorchDispatchMode):
             op.writes.append(sid)
             if t.grad_fn is not None:
                 nodes[id(t.grad_fn)] = t.grad_fn
-        for node in nodes.values():
+        for node in self._made_inside(list(nodes.values()), before):
             self._node_op[id(node)] = op.index
             self._nodes.append(node)
             node.register_prehook(lambda grads, op=op: self._opaque_backward(op, True))
             node.register_hook(lambda grads_in, grads_out, op=op: self._opaque_backward(op, False))
+
+    def _made_inside(self, roots: list, before: set[int]) -> list:
+        """The autograd nodes reachable from `roots` back to those that existed before the call (its
+        inputs' nodes `before`, nodes of earlier ops, leaves' AccumulateGrad)."""
+        found, seen, stack = [], set(), list(roots)
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen or id(node) in before or id(node) in self._node_op:
+                continue
+            seen.add(id(node))
+            if type(node).__name__ == "AccumulateGrad":
+                continue
+            found.append(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return found
 
     def _opaque_backward(self, op: TracedOp, starts: bool) -> None:
         if starts:

@@ -259,7 +259,7 @@ def test_a_block_recompiled_while_slackswap_hooks_are_active_is_traced_without_t
 def test_soak_300_steps_of_a_compiled_model_under_a_plan_that_recomputes_and_swaps_leaves_memory_flat():
     """GPT-2 compiled whole (SlackSwap compiles its blocks), a random plan that swaps and recomputes
     inside the compiled blocks: after 300 steps the live tensors, the process's RSS and Dynamo's
-    compile count are as they were at step 100, and the executor holds no saved byte."""
+    compile count have not grown since step 100, and the executor holds no saved byte."""
     from test_loops import _live_tensors, _rss
 
     model, batch = build("gpt2")
@@ -279,6 +279,6 @@ def test_soak_300_steps_of_a_compiled_model_under_a_plan_that_recomputes_and_swa
                 samples.append((_live_tensors(), _rss(), dynamo_compiles()))
     assert ex.stats.steps == 300 and ex.stats.last_step.ops_recomputed > 0 and not ex.stats.last_step.fallbacks
     (tensors_100, rss_100, compiles_100), (tensors_299, rss_299, compiles_299) = samples
-    assert tensors_299 == tensors_100 and compiles_299 == compiles_100
+    assert tensors_299 <= tensors_100 and compiles_299 == compiles_100  # (one fewer seen: a test before's, late)
     assert rss_299 - rss_100 < 4 << 20, (rss_100 >> 20, rss_299 >> 20)
     assert ex.resident_bytes == 0
