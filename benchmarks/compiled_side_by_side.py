@@ -2,6 +2,7 @@
 compiler's own recompute-only answer, eager SlackSwap. Measured on this machine's CPU, in one run.
 
     python benchmarks/compiled_side_by_side.py [--layers 8] [--hidden 128] [--seq 128] [--budget 0.5] [--repeats 5]
+                                               [--device cuda [--deepcompile]]
 
 A GPT-2-style model (dropout on), every block compiled with inductor (torchtitan's pattern):
 
@@ -17,10 +18,14 @@ state; the peak of saved bytes on the device (SlackSwap's own accounting for its
 the bytes autograd holds at the end of forward, counted by a saved-tensor hook that changes nothing);
 `/compiled`: against the compiled model's keep-all; the median step time over interleaved repeats (CPU: a copy to the "host" is a memcpy, no overlap); and
 for the SlackSwap rows the simulator's prediction of the plan on an A100 and an H100 from the same
-profile (op times measured on this CPU, so the percentages describe this CPU's op mix on those links).
-DeepCompile's `offload_activation` is not run here: it is a pass of DeepSpeed's compile backend for CUDA.
+profile (op times measured on this CPU, so the percentages describe this CPU's op mix on those links);
+for the `torch memory budget` row the prediction of a recompute-only knapsack plan (the planner
+`recompute-knapsack`) on the compiled model's profile at the same budget: what the partitioner does,
+at the granularity SlackSwap sees (a block's call), so marked `~`.
 With `--device cuda` (benchmarks/gpu_validate.py part 5) the times are the GPU's and a last column gives
-the allocator's peak during the step above what was allocated before it.
+the allocator's peak during the step above what was allocated before it; `--deepcompile` adds DeepSpeed's
+DeepCompile with `offload_activation` (one rank, ZeRO-1, `engine.compile()`; its own compiled program, so
+`exact` is not asked and its peak is the allocator's). DeepCompile's passes need CUDA: not run on a CPU.
 """
 
 from __future__ import annotations
@@ -60,12 +65,14 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=0.5, help="fraction of the keep-all saved bytes (default 0.5)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (benchmarks/gpu_validate.py part 5)")
+    ap.add_argument("--deepcompile", action="store_true", help="with --device cuda: a DeepCompile offload_activation row")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     import transformers
 
     import slackswap_ds as ss
+    from slackswap_ds.errors import BudgetInfeasibleError
     from slackswap_ds.hardware import load_hardware
     from slackswap_ds.plan import lower
     from slackswap_ds.planners import keep_all_result
@@ -148,6 +155,7 @@ def main(argv=None) -> int:
             if r:
                 times[name].append(result[2])
             rows[name] = result, (ctx.stats.last_step.peak_device_bytes if ctx is not None else read())
+    deepcompile = deepcompile_row(args, build, step, ids) if args.deepcompile and cuda else None
     base = statistics.median(times["compiled"])
     hws = {n: load_hardware(n) for n in ("a100-80g-pcie4", "h100-pcie5")}
     print(f"GPT-2 style, {args.layers} blocks compiled with inductor, hidden {args.hidden}, seq {args.seq}, batch "
@@ -160,15 +168,64 @@ def main(argv=None) -> int:
         exact = "yes" if equal((loss, grads), want) else "NO"
         med = statistics.median(times[name])
         preds = []
-        if name in plans:
-            profile, plan, _ = plans[name]
-            for hw in hws.values():
+        if name in plans or name == "torch memory budget":
+            profile, plan, _ = plans[name if name in plans else "slackswap compiled"]
+            mark = "" if name in plans else "~"
+            for hw_name, hw in hws.items():
+                if name not in plans:  # (the partitioner's recompute-only knapsack, as SlackSwap's planner sees it)
+                    try:
+                        plan = ss.plan(profile, hw_name, args.budget, planner="recompute-knapsack")
+                    except BudgetInfeasibleError:
+                        preds.append("infeasible")
+                        continue
                 ideal = keep_all_result(profile, hw).step_s
-                preds.append(f"{100 * ideal / simulate(lower(profile, plan), hw).step_s:8.1f}%")
+                preds.append(f"{mark}{100 * ideal / simulate(lower(profile, plan), hw).step_s:.1f}%")
         print(f"{name:20s} {exact:>6s} {peak:>14,} {peak / keep_all_bytes:9.2f} {1e3 * med:8.1f} {med / base:6.2f}  "
               + (" ".join(f"{p:>9s}" for p in preds) if preds else f"{'-':>9s} {'-':>9s}")
               + (f"  {alloc_peak:12,}" if alloc_peak is not None else ""))
+    if deepcompile is not None:
+        print(deepcompile(base))
     return 0
+
+
+def deepcompile_row(args, build, step, ids):
+    """DeepSpeed's DeepCompile with offload_activation on one rank (CUDA): a function that, given the
+    compiled row's median seconds, says its row (or why it did not run)."""
+    import os
+
+    try:
+        import deepspeed
+
+        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"),
+                            ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(name, value)
+        deepspeed.init_distributed()
+        config = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {"stage": 1},
+                  "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+                  "compile": {"deepcompile": True, "offload_activation": True}}
+        engine, *_ = deepspeed.initialize(model=build(None), config=config)
+        engine.compile()
+        times, peak = [], 0
+        for r in range(args.repeats + 1):
+            engine.zero_grad()
+            torch.manual_seed(7)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            t0 = time.perf_counter()
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            torch.cuda.synchronize()
+            if r:
+                times.append(time.perf_counter() - t0)
+            peak = torch.cuda.max_memory_allocated() - before
+    except Exception as e:  # (its own failure: said, the other rows stand)
+        failure = f"{'deepcompile offload':20s} did not run: {type(e).__name__}: {str(e)[:200]}"
+        return lambda base: failure
+    med = statistics.median(times)
+    return lambda base: (f"{'deepcompile offload':20s} {'-':>6s} {'-':>14s} {'-':>9s} {1e3 * med:8.1f} {med / base:6.2f}  "
+                         f"{'-':>9s} {'-':>9s}  {peak:12,}  (DeepSpeed engine: ZeRO-1 backward and loss "
+                         f"scaling in its time; its own graphs, so not compared bit for bit)")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ Five parts, each printed as it finishes (a part that fails prints its error and 
 4. `activation_budget: "auto"` on this GPU: the allocator's room beside GPT-2 medium's model state
    (after an Adam step), against the 16 B per parameter the CPU rule assumes;
 5. compiled training side by side (benchmarks/compiled_side_by_side.py, GPT-2 small shape with each
-   block compiled by inductor): exactness, saved-bytes and allocator peaks, step times.
+   block compiled by inductor): exactness, saved-bytes and allocator peaks, step times, and a DeepCompile
+   `offload_activation` row (DeepSpeed's engine, one rank).
 
 What "alloc peak" includes: every allocation made during the step (activations, gradients,
 workspaces, prefetched copies) above what was allocated before it (weights, optimizer state).
@@ -277,7 +278,7 @@ def part_compiled(args, device, gpu: Gpu) -> None:
     say("\n== 5. compiled side by side ==")
     shape = ["--layers", "12", "--hidden", "768", "--seq", "1024", "--batch", "4"] if not args.dry_run else \
         ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "2", "--repeats", "1"]
-    compiled_side_by_side.main([*shape, "--device", device.type])
+    compiled_side_by_side.main([*shape, "--device", device.type, *(["--deepcompile"] if device.type == "cuda" else [])])
 
 
 def gpu_name() -> str:

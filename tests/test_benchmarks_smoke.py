@@ -278,3 +278,5 @@ def test_compiled_side_by_side_prints_every_row(capsys):
     assert list(rows) == names
     assert rows["compiled"][0] == "yes" and rows["slackswap compiled"][0] == "yes" and rows["slackswap eager"][0] == "yes"
     assert float(rows["slackswap compiled"][2]) <= 0.5 + 1e-9
+    # the partitioner's recompute-only knapsack: predicted as such on the compiled profile (or infeasible)
+    assert all(p.startswith("~") or p == "infeasible" for p in rows["torch memory budget"][-2:]), rows
