@@ -132,7 +132,9 @@ def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: in
         with native_stdout_to_stderr():
             planned = fn(profile, target.hw, budget_bytes, share=target.share)
     except BudgetInfeasibleError as e:
-        return {"feasible": False, "status": "infeasible", "error": refusal(planner, e)}, None, None
+        planned = getattr(e, "planned", None)  # an anchor's plan, made blind to this share: shown over budget
+        if planned is None:
+            return {"feasible": False, "status": "infeasible", "error": refusal(planner, e)}, None, None
     except Exception as e:  # a planner bug: report it in the row and on stderr, keep sweeping
         _internal_error(f"planner {planner!r}", e)
         return {"feasible": False, "status": "error", "error": f"{type(e).__name__}: {e}"}, None, None

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import UnknownNameError
+from .anchors import plan_deepcompile_offload, plan_torchtitan_ilp, plan_torchtune_offload
 from .baselines import (
     plan_full_recompute,
     plan_keep_all,
@@ -28,6 +29,10 @@ PLANNERS: dict[str, PlannerFn] = {
     "offload-all": plan_offload_all,
     "recompute-knapsack": plan_recompute_knapsack,
     "keep-all": plan_keep_all,
+    # the anchors a user would pick instead (anchors.py)
+    "deepcompile-offload": plan_deepcompile_offload,
+    "torchtune-offload": plan_torchtune_offload,
+    "torchtitan-ilp": plan_torchtitan_ilp,
 }
 
 

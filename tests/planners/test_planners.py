@@ -67,7 +67,7 @@ def test_every_planner_emits_a_plan_when_everything_fits(p, d2h, name):
 
 
 def test_unknown_planner_lists_choices():
-    with pytest.raises(UnknownNameError, match="valid choices: full-recompute, keep-all"):
+    with pytest.raises(UnknownNameError, match="valid choices: deepcompile-offload, full-recompute, keep-all"):
         get_planner("magic")
 
 

@@ -1,0 +1,141 @@
+"""What a user would pick instead of SlackSwap in 2026 (../shared/reference/anchors.md), each planning
+as its system does, on the same signature as every planner:
+``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Planned``.
+
+Each decides per rank, with the whole PCIe link it measured (none of them knows that two GPUs share
+a switch uplink), and is then lowered and simulated like any plan on the share the rank really has
+(`share`). Where that puts it over the budget it raises BudgetInfeasibleError, like every planner,
+with the plan it made attached (`error.planned`), so that a comparison can show by how much it
+over-commits the shared uplink.
+
+* ``deepcompile-offload``: DeepSpeed DeepCompile's `offload_activation` pass;
+* ``torchtune-offload``: torchtune's `OffloadActivations`;
+* ``torchtitan-ilp``: a per-tensor keep / recompute / offload ILP planned with one rank's bandwidth
+  (torchtitan's `auto_perf_maxing` line of work); here the exact MILP of planners/milp.py.
+
+Each function's docstring cites the rules it implements, and where our profile cannot say what the
+system reads (dtypes, aliasing), what it assumes instead.
+"""
+
+from __future__ import annotations
+
+from ..errors import BudgetInfeasibleError
+from ..hardware import Hardware
+from ..plan import END_OF_FORWARD, Decision, Plan, lower
+from ..profile import StepProfile
+from ..simulator import simulate
+from .common import PRIVATE, Planned, RegionModel, Share, held_bytes, keep_all
+from .milp import solve_region_milp
+
+# deepspeed/compile/passes/offload_activation.py (DeepSpeed 0.19.8): MIN_OFFLOAD_SIZE
+DEEPCOMPILE_MIN_OFFLOAD_BYTES = 5 * 1024 * 1024
+# torchtune/training/_activation_offloading.py: OffloadActivations(min_offload_size=1024)
+TORCHTUNE_MIN_OFFLOAD_BYTES = 1024
+
+
+def plan_deepcompile_offload(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                             holds: int = 1) -> Planned:
+    """DeepCompile's `offload_activation` (deepspeed/compile/passes/offload_activation.py, 0.19.8):
+
+    1. eligible: every saved tensor of at least MIN_OFFLOAD_SIZE = 5 MiB (`_eligible_activations`;
+       it also skips non-floating-point and aliasing values, which our profile does not tell apart);
+    2. the floor: the step's peak with every eligible tensor offloaded (`offload_activation_floor`,
+       measured there; simulated here, on the link the rank really has, as a measurement would be);
+    3. headroom = budget - floor; eligible tensors come back to the device largest first, each whose
+       bytes fit the headroom left, the others skipped (`_plan_against_floor_fwd`);
+    4. each reload starts early enough that the backward compute before the tensor's first use covers
+       its copy, size / the H2D bandwidth one rank measured, and no earlier (`_reload_activation_bwd`);
+       its check of each earlier start against the backward memory profile is left to the simulator.
+    Recompute is the compiler partitioner's, outside the pass: none here. Forward waits for each copy
+    where the tensor's last forward use ends (`wait_offload` after it, `_insertion_point_after_last_use`),
+    so that its device memory is freed: a blocking plan (forward waits for a copy before its next op)."""
+    eligible = sorted((a for a in profile.activations if a.bytes >= DEEPCOMPILE_MIN_OFFLOAD_BYTES),
+                      key=lambda a: (-a.bytes, a.key))
+    decisions = keep_all(profile)
+    for a in eligible:
+        decisions[a.key] = Decision.SWAP
+    floor = _simulated(profile, decisions, hw, share, budget_bytes, holds, "deepcompile-offload").result.peak_bytes
+    headroom = budget_bytes - floor
+    for a in eligible:
+        if a.bytes <= headroom:
+            decisions[a.key] = Decision.KEEP
+            headroom -= a.bytes
+    return _judged(_simulated(profile, decisions, hw, share, budget_bytes, holds, "deepcompile-offload"),
+                   budget_bytes)
+
+
+def plan_torchtune_offload(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                           holds: int = 1) -> Planned:
+    """torchtune's `OffloadActivations` (torchtune/training/_activation_offloading.py): every saved
+    tensor of at least `min_offload_size` = 1024 B is copied to the host on a side stream in forward,
+    and compute waits for the copy of the tensor saved `max_fwd_stash_size` = 5 saves earlier before
+    going on (`pack_tensor`): nearly a blocking plan (which waits for each copy before the next op; a
+    window of 5 would let a little more overlap, and hold up to 5 tensors more); in backward each one
+    is brought back when autograd unpacks it (`unpack_tensor_with_streams`: the copy starts at its
+    first use and compute waits for it), so no copy-in is triggered ahead of the op that reads it."""
+    decisions = keep_all(profile)
+    for a in profile.activations:
+        if a.bytes >= TORCHTUNE_MIN_OFFLOAD_BYTES:
+            decisions[a.key] = Decision.SWAP
+    return _judged(_simulated(profile, decisions, hw, share, budget_bytes, holds, "torchtune-offload",
+                              just_in_time=True), budget_bytes)
+
+
+def plan_torchtitan_ilp(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                        holds: int = 1) -> Planned:
+    """A per-tensor keep / recompute / offload ILP with one rank's measured bandwidth (torchtitan's
+    `auto_perf_maxing`, pytorch/torchtitan #4636: an ILP per layer against the peak at every backward
+    position, the host budget, and the bandwidth one rank measured). Here the exact MILP over the
+    region memory model (planners/milp.py, the `optimal` planner's), solved for the whole link, and
+    then simulated on the rank's real share."""
+    model = RegionModel(profile, hw, PRIVATE, holds)
+    planned = solve_region_milp(model, budget_bytes, allow_swap=True, planner="torchtitan-ilp").planned
+    if share == PRIVATE:
+        return planned
+    plan = planned.plan
+    held = held_bytes(profile, plan.decision, holds)
+    schedule = lower(profile, plan)
+    result = simulate(schedule, share.limit(hw), budget_bytes=budget_bytes - held, record=False)
+    return _judged(Planned(plan, schedule, result, held), budget_bytes)
+
+
+def _simulated(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share, budget_bytes: int,
+               holds: int, planner: str, just_in_time: bool = False) -> Planned:
+    """The plan of `decisions` (forward waiting for its copies, as both offloading anchors do), each
+    copy-in triggered as the anchor does (`_reload_starts`), lowered and simulated on the rank's real share."""
+    triggers = _reload_starts(profile, decisions, hw, just_in_time)
+    plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
+                      prefetch=triggers, blocking=True)
+    held = held_bytes(profile, decisions, holds)
+    schedule = lower(profile, plan)
+    return Planned(plan, schedule, simulate(schedule, share.limit(hw), budget_bytes=budget_bytes - held,
+                                            record=False), held)
+
+
+def _reload_starts(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware,
+                   just_in_time: bool) -> dict[str, str]:
+    """Each swapped tensor's copy-in trigger: the backward op after which it starts. Backward runs the
+    ops in reverse, so the ops whose backward comes just before tensor `a`'s first use are
+    a.first_read + 1, + 2, ...; the copy starts after the last of them it has to cover, walking back
+    until their backward time covers size / H2D on the whole link (no walk: `just_in_time`)."""
+    ops, rate = profile.ops, hw.h2d_bps
+    triggers = {}
+    for a in profile.activations:
+        if decisions[a.key] is not Decision.SWAP:
+            continue
+        copy_s, covered, start = a.bytes / rate, 0.0, a.first_read + 1
+        while not just_in_time and start < len(ops) and covered < copy_s:
+            covered += ops[start].bwd_s
+            start += 1
+        triggers[a.key] = ops[start].key if start < len(ops) else END_OF_FORWARD
+    return triggers
+
+
+def _judged(planned: Planned, budget_bytes: int) -> Planned:
+    if not planned.result.feasible:
+        error = BudgetInfeasibleError(f"{planned.plan.planner}: its plan peaks at "
+                                      f"{planned.result.peak_bytes + planned.held_bytes:,} B, over the budget of "
+                                      f"{budget_bytes:,} B")
+        error.planned = planned
+        raise error
+    return planned
