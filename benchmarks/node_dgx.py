@@ -50,7 +50,7 @@ from slackswap_ds.workloads import workload
 
 NODE = "dgx-a100"
 WORKLOADS = ("gpt2-xl", "bert-large", "llama-7b")
-ANCHORS = ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp")  # planners/anchors.py
+ANCHORS = ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload")  # planners/anchors.py
 PLANNER_NAMES = ("slackswap", "optimal", *ANCHORS)
 QUICK_WORKLOADS = ("gpt2-xl",)
 QUICK_PLANNERS = ("slackswap",)

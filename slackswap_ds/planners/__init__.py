@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import UnknownNameError
-from .anchors import plan_deepcompile_offload, plan_torchtitan_ilp, plan_torchtune_offload
+from .anchors import plan_deepcompile_offload, plan_megatron_offload, plan_torchtitan_ilp, plan_torchtune_offload
 from .baselines import (
     plan_full_recompute,
     plan_keep_all,
@@ -33,6 +33,7 @@ PLANNERS: dict[str, PlannerFn] = {
     "deepcompile-offload": plan_deepcompile_offload,
     "torchtune-offload": plan_torchtune_offload,
     "torchtitan-ilp": plan_torchtitan_ilp,
+    "megatron-offload": plan_megatron_offload,
 }
 
 

@@ -11,7 +11,10 @@ over-commits the shared uplink.
 * ``deepcompile-offload``: DeepSpeed DeepCompile's `offload_activation` pass;
 * ``torchtune-offload``: torchtune's `OffloadActivations`;
 * ``torchtitan-ilp``: a per-tensor keep / recompute / offload ILP planned with one rank's bandwidth
-  (torchtitan's `auto_perf_maxing` line of work); here the exact MILP of planners/milp.py.
+  (torchtitan's `auto_perf_maxing` line of work); here the exact MILP of planners/milp.py;
+* ``megatron-offload``: Megatron-core's selective recompute with fine-grained activation offloading
+  of the core attention (`--recompute-granularity selective --fine-grained-activation-offloading
+  --offload-modules core_attn`).
 
 Each function's docstring cites the rules it implements, and where our profile cannot say what the
 system reads (dtypes, aliasing), what it assumes instead.
@@ -24,6 +27,7 @@ from ..hardware import Hardware
 from ..plan import END_OF_FORWARD, Decision, Plan, lower
 from ..profile import StepProfile
 from ..simulator import simulate
+from .baselines import CORE_ATTENTION_REPLAY, plan_megatron_selective
 from .common import PRIVATE, Planned, RegionModel, Share, held_bytes, keep_all
 from .milp import solve_region_milp
 
@@ -97,6 +101,43 @@ def plan_torchtitan_ilp(profile: StepProfile, hw: Hardware, budget_bytes: int, s
     schedule = lower(profile, plan)
     result = simulate(schedule, share.limit(hw), budget_bytes=budget_bytes - held, record=False)
     return _judged(Planned(plan, schedule, result, held), budget_bytes)
+
+
+def plan_megatron_offload(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                          holds: int = 1) -> Planned:
+    """Megatron-core's `--recompute-granularity selective` with `--fine-grained-activation-offloading
+    --offload-modules core_attn` (megatron/core/transformer/README.md, "Fine-grained Activation
+    Offloading"): the core attention is checkpointed (the `megatron-selective` baseline: its scores,
+    softmax and dropout are run again in backward), and the tensors the core attention module saves,
+    its inputs q, k and v, are offloaded after its forward, the copy overlapping what follows
+    (`group_prefetch_offload_commit`); in backward, when a layer's core attention starts its backward,
+    the next offloaded module's tensors (the layer before's q, k, v) are reloaded ("Reload the
+    corresponding tensors of next module"), the last layer's at the start of backward. Modules are
+    found by the cost model's op names (analytic profiles, as `megatron-selective`)."""
+    selective = plan_megatron_selective(profile, hw, max(budget_bytes, profile.total_bytes)).plan  # (its decisions)
+    decisions = dict(selective.decision)
+    core = {i for i, o in enumerate(profile.ops) if o.key.rsplit(":", 1)[-1] in CORE_ATTENTION_REPLAY}
+    first_core_bwd: dict[str, str] = {}  # region -> the op whose backward ends just before its core's starts
+    for i in sorted(core, reverse=True):
+        region = profile.ops[i].region
+        if region not in first_core_bwd and i + 1 < len(profile.ops):
+            first_core_bwd[region] = profile.ops[i + 1].key
+    regions = [r for r in dict.fromkeys(profile.ops[i].region for i in sorted(core))]
+    triggers = {}
+    for a in profile.activations:
+        reads_core = any(u in core for u in a.users)
+        made_in_core = any(p in core for p in a.producers)
+        if reads_core and not made_in_core and decisions[a.key] is Decision.KEEP:
+            decisions[a.key] = Decision.SWAP
+            region = profile.region_of(a)
+            after = regions[regions.index(region) + 1] if region in regions[:-1] else None
+            triggers[a.key] = first_core_bwd.get(after, END_OF_FORWARD) if after else END_OF_FORWARD
+    plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest,
+                      planner="megatron-offload", prefetch=triggers, replay=selective.replay)
+    held = held_bytes(profile, decisions, holds)
+    schedule = lower(profile, plan)
+    return _judged(Planned(plan, schedule, simulate(schedule, share.limit(hw), budget_bytes=budget_bytes - held,
+                                                    record=False), held), budget_bytes)
 
 
 def _simulated(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share, budget_bytes: int,

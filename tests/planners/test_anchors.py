@@ -96,17 +96,35 @@ def test_torchtitan_ilp_is_the_optimum_for_the_whole_link_judged_on_the_shared_o
     assert shared.result.step_s >= alone.result.step_s
 
 
+def test_megatron_offloads_the_core_attention_inputs_and_reloads_a_layer_ahead():
+    """Selective recompute of the core attention (softmax, dropout mask and output: run again), and its
+    saved inputs q, k, v offloaded; layer 0's are reloaded when layer 1's core attention starts its
+    backward (after the backward of layer 1's projection, the op before it in backward), the last
+    layer's when backward starts."""
+    hw = load_hardware("a100-80g-pcie4")
+    p = workload("gpt2-xl", hw, layers=2)
+    planned = get_planner("megatron-offload")(p, hw, resolve_budget(0.9, p))
+    moved = {k: d.value for k, d in planned.plan.decision.items() if d is not Decision.KEEP}
+    assert moved == {f"layers.{i}.attn:{t}": d for i in (0, 1) for t, d in
+                     (("q", "swap"), ("k", "swap"), ("v", "swap"), ("softmax.out", "recompute"),
+                      ("attn_dropout.mask", "recompute"), ("attn_dropout.out", "recompute"))}
+    assert dict(planned.plan.prefetch) == {**{f"layers.0.attn:{t}": "layers.1.attn:6:proj" for t in "qkv"},
+                                           **{f"layers.1.attn:{t}": END_OF_FORWARD for t in "qkv"}}
+    assert planned.plan.replay == get_planner("megatron-selective")(p, hw, p.total_bytes).plan.replay
+
+
 @pytest.mark.parametrize("name", ["bert-large", "gpt2-xl", "llama-7b"])
 def test_each_anchor_on_the_paper_workloads_at_half_budget_fits_or_says_its_peak(name):
     """Alone on an A100's link and as a DGX A100 rank: a plan within the budget, or a refusal carrying
     the plan, over the budget. Simulated today: the two offload-only anchors hold 0.5 everywhere (their
     forward waits for its copies: slow, not large); the ILP holds it alone, and overshoots on the
-    shared uplink it did not plan for (its copies take twice as long there)."""
+    shared uplink it did not plan for (its copies take twice as long there); Megatron's offload of the
+    core attention holds it where there is a core attention to offload."""
     hw = load_hardware("a100-80g-pcie4")
     p = workload(name, hw)
     budget = resolve_budget(0.5, p)
     outcome = {}
-    for planner in ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp"):
+    for planner in ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload"):
         for where, share in (("alone", PRIVATE), ("dgx", Share.of_node(load_node("dgx-a100")))):
             try:
                 planned = get_planner(planner)(p, hw, budget, share)
@@ -117,4 +135,7 @@ def test_each_anchor_on_the_paper_workloads_at_half_budget_fits_or_says_its_peak
                 outcome[planner, where] = "over"
     assert outcome == {("deepcompile-offload", "alone"): "fits", ("deepcompile-offload", "dgx"): "fits",
                        ("torchtune-offload", "alone"): "fits", ("torchtune-offload", "dgx"): "fits",
-                       ("torchtitan-ilp", "alone"): "fits", ("torchtitan-ilp", "dgx"): "over"}
+                       ("torchtitan-ilp", "alone"): "fits", ("torchtitan-ilp", "dgx"): "over",
+                       # (llama-7b's attention is one fused op: no core attention to checkpoint or offload)
+                       **{("megatron-offload", where): "over" if name == "llama-7b" else "fits"
+                          for where in ("alone", "dgx")}}
