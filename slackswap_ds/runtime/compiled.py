@@ -31,11 +31,24 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..logs import log
 from .compile_layout import CompiledCodeError, compiled_parts, is_compiled, to_per_block
 from .regions import find_layers
 
 __all__ = ["CompiledCodeError", "CompiledLayers", "ModesSuspended", "check_model", "compiled_layers",
-           "dynamo_never_compiles", "is_compiled"]
+           "dynamo_never_compiles", "is_compiled", "say_compiled_around"]
+
+
+def say_compiled_around(model: nn.Module) -> None:
+    """Warn (once per executor) that `model` was called from compiled code SlackSwap was not given:
+    `torch.compile(model)` kept by the user while `model` itself went to ss.apply / ss.profile_step.
+    Dynamo then traces SlackSwap's hooks, and what its graphs save does not reach the plan (each such
+    save is handled as one the plan does not know: swapped, counted in stats.fallbacks)."""
+    log.warning("slackswap: %s was called from compiled code that SlackSwap was not given (torch.compile(model) "
+                "around the module passed to ss.apply or ss.profile_step): Dynamo traced SlackSwap's hooks, and "
+                "the saves of its graphs are not the plan's (they are swapped as unplanned: stats.fallbacks). Give "
+                "SlackSwap the compiled module itself (it then compiles each block on its own), or the model "
+                "uncompiled", type(model).__name__)
 
 
 def dynamo_never_compiles(*fns: Callable) -> None:

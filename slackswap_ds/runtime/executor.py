@@ -65,7 +65,7 @@ from ..plan import Decision, Plan, Schedule, lower
 from ..profile import StepProfile
 from .aten import meta_of, no_dispatch
 from .calls import LayerCalls
-from .compiled import CompiledLayers, dynamo_never_compiles
+from .compiled import CompiledLayers, dynamo_never_compiles, say_compiled_around
 from .device import Device
 from .entries import Entries
 from .flat import flatten_call
@@ -159,6 +159,7 @@ class Executor:
         self.takeover, self.observer = takeover, observer
         self.layers, self.regions = find_layers(model), RegionTracker()
         self.compiled = CompiledLayers(model, self.layers)  # (CompiledCodeError for what cannot be planned)
+        self.compiled_around = self._said_compiled_around = False  # a compiled wrapper it was not given
         dynamo_never_compiles(self._pack, self._unpack)  # (called from compiled blocks' eager parts too)
         self.call_arguments: dict[str, list[str]] = {}  # without a plan: saved tensors each layer call takes
         self._lock = threading.RLock()
@@ -260,6 +261,9 @@ class Executor:
         return self.stats
 
     def __exit__(self, *exc):
+        if self.compiled_around and not self._said_compiled_around:
+            self._said_compiled_around = True
+            say_compiled_around(self.model)
         try:
             self._calls.stop_all()  # an exception left a layer call open
             if self._stack is not None:
@@ -311,6 +315,8 @@ class Executor:
         return torch.is_grad_enabled() and not _in_backward() and not replaying() and not self._eval_depth
 
     def _model_called(self, module, args):
+        if is_compiling():  # Dynamo is tracing this hook: a compiled wrapper runs the model (said at exit)
+            self.compiled_around = True
         if not self._tracking():
             return
         if not module.training:  # an eval-mode forward with grad: left to autograd (not planned)

@@ -174,6 +174,26 @@ def test_a_compiled_part_inside_a_block_makes_the_block_compiled_and_is_said(cap
         assert_exact(run(model, zoo.step, batch, ex), reference)
 
 
+def test_a_compiled_wrapper_slackswap_was_not_given_is_said_and_trains_exactly(caplog):
+    """The issue's first try: `mc = torch.compile(model)`, but `model` given to ss.apply. SlackSwap
+    cannot see the wrapper; Dynamo traces its hooks. The step stays exact (what the graphs save is
+    handled as unplanned: swapped, counted as fallbacks) and the log says what happened and what to do,
+    once."""
+    import logging
+
+    model, batch = zoo.ZOO["gpt2-sdpa"].build(torch.float32)
+    without_caches(model)
+    prof = profile(model, zoo.step, batch)
+    wrapper = torch.compile(model, backend="aot_eager")
+    reference = run(wrapper, zoo.step, batch)
+    ex = ss.apply(model, random_plan(prof, 0), prof)
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        for _ in range(2):
+            assert_exact(run(wrapper, zoo.step, batch, ex), reference)
+    said = [r.getMessage() for r in caplog.records if "called from compiled code" in r.getMessage()]
+    assert len(said) == 1 and "Give SlackSwap the compiled module itself" in said[0]
+
+
 def test_a_part_compiled_by_something_else_is_refused_by_name():
     """`_compiled_call_impl` set by something other than module.compile(): its settings cannot be read
     to compile the blocks instead, so SlackSwap stops, naming it and what to do."""
