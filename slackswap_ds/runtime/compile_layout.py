@@ -23,9 +23,12 @@ the same loss as the old one, and the same gradients (the test zoo's decoder-onl
 models, dropout on: every gradient equal, whole model vs per block) except where one tensor feeds
 several blocks: an encoder's output is read by every decoder layer, and autograd sums the parts of
 its gradient in another order than one compiled backward graph did (T5, BART, Pegasus: last bits of
-the encoder's gradients). With `inductor` it does not: inductor draws each graph's dropout masks
-from one seed per graph and fuses across block boundaries, so the job trains the model compiled per
-block (torchtitan's layout), and every plan is exact to that. `"enabled": false` keeps the user's
+the encoder's gradients). With `inductor` it does not: the per-block graphs run other backward
+kernels (inductor fuses across block boundaries, and its partitioner chooses per graph), so every
+gradient differs in its last bits even with dropout off (tiny GPT-2 and Llama: the same loss, no
+gradient bit-equal), and inductor draws each graph's dropout masks from one seed per graph, so with
+dropout on the masks differ too. The job then trains the model compiled per block (torchtitan's
+layout), and every plan is exact to that. `"enabled": false` keeps the user's
 layout untouched.
 """
 
@@ -132,8 +135,8 @@ def to_per_block(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> tuple
                     "With aot_eager the numbers are the same (the gradients' last bits can differ where one tensor "
                     "feeds several blocks, as an encoder's output feeds every decoder layer: autograd sums its "
                     "gradient's parts in another order than the whole graph did); with inductor the job trains the "
-                    "model compiled per block (dropout drawn per block's graph). \"enabled\": false keeps your "
-                    "compilation as it was", "; ".join(c.describe() for c in changes), extra=SAME_ON_EVERY_RANK)
+                    "model compiled per block, whose backward kernels and dropout masks are not the whole model's "
+                    "(the gradients' last bits differ). \"enabled\": false keeps your compilation as it was", "; ".join(c.describe() for c in changes), extra=SAME_ON_EVERY_RANK)
     return tuple(changes)
 
 
