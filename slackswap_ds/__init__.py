@@ -22,12 +22,12 @@ The map, one line per module (README.md, "What is in the box", says more):
     model_config    a Hugging Face config.json as a ModelSpec
     workloads/      analytic per-op profiles: spec, presets (configs/workloads/), builder, layer
     simulator       discrete-event simulation of Schedules on a GPU or a node
-    planners/       one signature -> Planned: common, slackswap, milp, optimal, baselines
+    planners/       one signature -> Planned: common, slackswap, milp, optimal, baselines, anchors
     pipeline        whole jobs: TP, SP, PP (1F1B), DP, ZeRO and ZeRO-Offload
     report          traces, plots and the text tables of `slackswap simulate`
     runtime/        plans run for real: executor, steps, entries, swaps, calls, replay, verify,
                     residency, program, records, stats, aten, flat, tracing, profiler, regions,
-                    naming, takeover, compiled, host_pool, device, timeline
+                    naming, takeover, compiled, compile_layout, host_pool, device, timeline
     checkpointing   drop-in deepspeed.checkpointing (inline under a plan)
     bucketing       pad_to_multiple for variable-length batches
     topology        which GPUs share a host uplink

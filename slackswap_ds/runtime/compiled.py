@@ -31,19 +31,18 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..logs import log
-from .compile_layout import CompiledCodeError, compiled_parts, is_compiled, to_per_block
+from .compile_layout import CompiledCodeError, compiled_parts, is_compiled, log, to_per_block
 from .regions import find_layers
 
 __all__ = ["CompiledCodeError", "CompiledLayers", "ModesSuspended", "check_model", "compiled_layers",
-           "dynamo_never_compiles", "is_compiled", "say_compiled_around"]
+           "dynamo_never_compiles", "is_compiled"]
 
 
-def say_compiled_around(model: nn.Module) -> None:
-    """Warn (once per executor) that `model` was called from compiled code SlackSwap was not given:
-    `torch.compile(model)` kept by the user while `model` itself went to ss.apply / ss.profile_step.
-    Dynamo then traces SlackSwap's hooks, and what its graphs save does not reach the plan (each such
-    save is handled as one the plan does not know: swapped, counted in stats.fallbacks)."""
+def _say_compiled_around(model: nn.Module) -> None:
+    """Warn that `model` was called from compiled code SlackSwap was not given: `torch.compile(model)`
+    kept by the user while `model` itself went to ss.apply / ss.profile_step. Dynamo then traces
+    SlackSwap's hooks, and what its graphs save does not reach the plan (each such save is handled as
+    one the plan does not know: swapped, counted in stats.fallbacks)."""
     log.warning("slackswap: %s was called from compiled code that SlackSwap was not given (torch.compile(model) "
                 "around the module passed to ss.apply or ss.profile_step): Dynamo traced SlackSwap's hooks, and "
                 "the saves of its graphs are not the plan's (they are swapped as unplanned: stats.fallbacks). Give "
@@ -83,21 +82,35 @@ def compiled_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> fr
 
 class CompiledLayers:
     """The compiled layers of a model's block stacks (`paths`, once the model is in SlackSwap's
-    compile layout) and the hooks their calls run under."""
+    compile layout) and the hooks their calls run under; `saved`: the executor's saved-tensor hooks."""
 
-    def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]]):
+    def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], saved: tuple[Callable, Callable]):
         self.paths = compiled_layers(model, layers)
         self._suspended = ModesSuspended()
+        self._saved = saved  # the executor's (pack, unpack): called from compiled blocks' eager parts too
+        dynamo_never_compiles(*saved)
+        self.around = self._said_around = False  # the model called from compiled code it was not given
 
-    def hooks(self, path: str, layer: nn.Module, tracer: Callable[[], Any], calls, saved: tuple) -> list:
+    def model_called(self) -> None:
+        """The model's forward pre-hook ran: if Dynamo is tracing it, compiled code SlackSwap was not
+        given calls the model (`say_if_around` tells, once)."""
+        if torch.compiler.is_compiling():
+            self.around = True  # (an attribute set: Dynamo replays it as a side effect of its graph)
+
+    def say_if_around(self, model: nn.Module) -> None:
+        if self.around and not self._said_around:
+            self._said_around = True
+            _say_compiled_around(model)
+
+    def hooks(self, path: str, layer: nn.Module, tracer: Callable[[], Any], calls) -> list:
         """The handles of `layer`'s hooks if it is compiled (else none): its call runs with dispatch
         modes suspended, and is one opaque op to `tracer()` (None: no tracer watches the step); a call
         recorded to be run again (`calls.compiled_call`, calls.py) has its saves counted, so that each
-        is known by the order it was packed in (the executor's `saved` = (pack, unpack) do the rest).
+        is known by the order it was packed in (the executor's pack and unpack do the rest).
         Registered between the executor's call and return hooks, so the region is the call's."""
         if path not in self.paths:
             return []
-        pack, unpack = saved
+        pack, unpack = self._saved
 
         def pre(module, args, kwargs):
             watching = tracer()

@@ -65,7 +65,7 @@ from ..plan import Decision, Plan, Schedule, lower
 from ..profile import StepProfile
 from .aten import meta_of, no_dispatch
 from .calls import LayerCalls
-from .compiled import CompiledLayers, dynamo_never_compiles, say_compiled_around
+from .compiled import CompiledLayers
 from .device import Device
 from .entries import Entries
 from .flat import flatten_call
@@ -158,9 +158,7 @@ class Executor:
         self.model, self.record = model, record  # record: a measured timeline of each step (stats.last_timeline)
         self.takeover, self.observer = takeover, observer
         self.layers, self.regions = find_layers(model), RegionTracker()
-        self.compiled = CompiledLayers(model, self.layers)  # (CompiledCodeError for what cannot be planned)
-        self.compiled_around = self._said_compiled_around = False  # a compiled wrapper it was not given
-        dynamo_never_compiles(self._pack, self._unpack)  # (called from compiled blocks' eager parts too)
+        self.compiled = CompiledLayers(model, self.layers, (self._pack, self._unpack))  # (or CompiledCodeError)
         self.call_arguments: dict[str, list[str]] = {}  # without a plan: saved tensors each layer call takes
         self._lock = threading.RLock()
         released: collections.deque[Entry] = collections.deque()  # entries whose holders died
@@ -246,8 +244,7 @@ class Executor:
             self._handles.append(self.model.register_forward_hook(self._model_returned, always_call=True))
             for path, layer in self.layers:
                 self._handles.append(layer.register_forward_pre_hook(self._call_hook(path), with_kwargs=True))
-                self._handles += self.compiled.hooks(path, layer, lambda: self.observer or self._tracer,
-                                                     self._calls, (self._pack, self._unpack))
+                self._handles += self.compiled.hooks(path, layer, lambda: self.observer or self._tracer, self._calls)
                 self._handles.append(layer.register_forward_hook(self._return_hook(path), always_call=True))
             stack.enter_context(self._hooks)
             if self.record and self.observer is None:
@@ -261,9 +258,7 @@ class Executor:
         return self.stats
 
     def __exit__(self, *exc):
-        if self.compiled_around and not self._said_compiled_around:
-            self._said_compiled_around = True
-            say_compiled_around(self.model)
+        self.compiled.say_if_around(self.model)
         try:
             self._calls.stop_all()  # an exception left a layer call open
             if self._stack is not None:
@@ -315,8 +310,7 @@ class Executor:
         return torch.is_grad_enabled() and not _in_backward() and not replaying() and not self._eval_depth
 
     def _model_called(self, module, args):
-        if is_compiling():  # Dynamo is tracing this hook: a compiled wrapper runs the model (said at exit)
-            self.compiled_around = True
+        self.compiled.model_called()  # (compiled code around the model: said at exit)
         if not self._tracking():
             return
         if not module.training:  # an eval-mode forward with grad: left to autograd (not planned)
