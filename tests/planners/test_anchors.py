@@ -126,6 +126,8 @@ def test_each_anchor_on_the_paper_workloads_at_half_budget_fits_or_says_its_peak
     outcome = {}
     for planner in ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload"):
         for where, share in (("alone", PRIVATE), ("dgx", Share.of_node(load_node("dgx-a100")))):
+            if planner == "torchtitan-ilp" and where == "dgx" and name != "gpt2-xl":
+                continue  # (a MILP solve each: the DGX case once, suite time; benchmarks/node_dgx.py has all)
             try:
                 planned = get_planner(planner)(p, hw, budget, share)
                 assert planned.result.peak_bytes <= budget
@@ -135,7 +137,7 @@ def test_each_anchor_on_the_paper_workloads_at_half_budget_fits_or_says_its_peak
                 outcome[planner, where] = "over"
     assert outcome == {("deepcompile-offload", "alone"): "fits", ("deepcompile-offload", "dgx"): "fits",
                        ("torchtune-offload", "alone"): "fits", ("torchtune-offload", "dgx"): "fits",
-                       ("torchtitan-ilp", "alone"): "fits", ("torchtitan-ilp", "dgx"): "over",
+                       ("torchtitan-ilp", "alone"): "fits", **({("torchtitan-ilp", "dgx"): "over"} if name == "gpt2-xl" else {}),
                        # (llama-7b's attention is one fused op: no core attention to checkpoint or offload)
                        **{("megatron-offload", where): "over" if name == "llama-7b" else "fits"
                           for where in ("alone", "dgx")}}
