@@ -24,6 +24,7 @@ to this layout first, and the log says so (compile_layout.py).
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from typing import Any, Callable
 
@@ -56,7 +57,10 @@ def dynamo_never_compiles(*fns: Callable) -> None:
     graph break: MoE routing), where Dynamo's frame callback is active, and Dynamo compiled the hook
     there as a function of its own (tracing SlackSwap's pack hook as the identity: those saves went
     unseen by the plan and the budget; measured on torch 2.13 with Mixtral's blocks). Uses Dynamo's
-    per-code execution strategy (torch 2.6+); without it, nothing changes."""
+    per-code execution strategy (torch 2.6+); without it, nothing changes. Before anything imported
+    Dynamo nothing is compiled, and importing it costs seconds: then nothing to do."""
+    if "torch._dynamo" not in sys.modules:
+        return
     try:
         from torch._dynamo.eval_frame import set_code_exec_strategy
         from torch._dynamo.types import FrameAction, FrameExecStrategy
