@@ -1,11 +1,13 @@
 """What the runtime tests share: one step from a fixed RNG state, bit-exact comparison, profiles
 whose op times come from a fake clock (so the plans a test gets never depend on how fast this
-machine ran an op), and seeded random plans."""
+machine ran an op), seeded random plans, and soak sampling (live tensors, RSS)."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import random
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -68,3 +70,28 @@ def without_caches(model: nn.Module) -> nn.Module:
         if getattr(config, "use_cache", None):
             config.use_cache = False
     return model
+
+
+def rss() -> int:
+    """This process's resident set size, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def live_tensors() -> int:
+    """Tensors the garbage collector can see, after a collection."""
+    gc.collect()
+    with warnings.catch_warnings():  # isinstance() on some torch.distributed objects warns
+        warnings.simplefilter("ignore")
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+def soak(step: Callable[[], Any], steps: int, sample_at: tuple[int, int], also: Callable[[], Any] = lambda: None):
+    """`step()` run `steps` times; at each step index of `sample_at` (after the allocators settled),
+    (live tensors, RSS, `also()`). Returns the two samples."""
+    samples = []
+    for i in range(steps):
+        step()
+        if i in sample_at:
+            samples.append((live_tensors(), rss(), also()))
+    return samples

@@ -18,7 +18,7 @@ from slackswap_ds.plan import Decision
 from slackswap_ds.runtime.compiled import CompiledCodeError
 from slackswap_ds.runtime.regions import find_layers
 
-from exactness import assert_exact, fake_clock, profile, random_plan, run, without_caches
+from exactness import assert_exact, fake_clock, profile, random_plan, run, soak, without_caches
 
 transformers = pytest.importorskip("transformers")
 import zoo  # noqa: E402  (needs transformers)
@@ -299,8 +299,6 @@ def test_soak_300_steps_of_a_compiled_model_under_a_plan_that_recomputes_and_swa
     """GPT-2 compiled whole (SlackSwap compiles its blocks), a random plan that swaps and recomputes
     inside the compiled blocks: after 300 steps the live tensors, the process's RSS and Dynamo's
     compile count have not grown since step 100, and the executor holds no saved byte."""
-    from test_loops import _live_tensors, _rss
-
     model, batch = build("gpt2")
     model = compile_whole(without_caches(model), "aot_eager", "model.compile()")
     torch.manual_seed(1)
@@ -309,13 +307,12 @@ def test_soak_300_steps_of_a_compiled_model_under_a_plan_that_recomputes_and_swa
     plan = next(p for p in (random_plan(prof, seed) for seed in range(20))
                 if inside & set(p.keys(Decision.RECOMPUTE)) and inside & set(p.keys(Decision.SWAP)))
     ex = ss.apply(model, plan, prof)
-    samples = []
-    with ex:
-        for i in range(300):
-            model.zero_grad(set_to_none=True)
-            zoo.step(model, batch)
-            if i in (100, 299):  # (the allocators settle in the first ~100 steps)
-                samples.append((_live_tensors(), _rss(), dynamo_compiles()))
+    def step():
+        model.zero_grad(set_to_none=True)
+        zoo.step(model, batch)
+
+    with ex:  # (the allocators settle in the first ~100 steps)
+        samples = soak(step, 300, (100, 299), dynamo_compiles)
     assert ex.stats.steps == 300 and ex.stats.last_step.ops_recomputed > 0 and not ex.stats.last_step.fallbacks
     (tensors_100, rss_100, compiles_100), (tensors_299, rss_299, compiles_299) = samples
     assert tensors_299 <= tensors_100 and compiles_299 == compiles_100  # (one fewer seen: a test before's, late)

@@ -3,14 +3,13 @@ forwards in between, gradient accumulation, all exact under random plans; and hu
 with a recompute plan that leave host and device memory flat."""
 
 import gc
-import warnings
 
 import pytest
 import torch
 
 import slackswap_ds as ss
 
-from exactness import assert_exact, profile, random_plan, run, without_caches
+from exactness import assert_exact, profile, random_plan, run, soak, without_caches
 
 transformers = pytest.importorskip("transformers")
 import zoo  # noqa: E402  (needs transformers)
@@ -110,18 +109,6 @@ def test_a_forward_without_backward_ends_its_step_and_the_next_keeps_the_plan(gp
     assert ex.stats.steps == 2 and last.fallbacks == {} and 0 < last.peak_device_bytes <= plan.budget_bytes
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
-
-
-def _live_tensors() -> int:
-    gc.collect()
-    with warnings.catch_warnings():  # isinstance() on some torch.distributed objects warns
-        warnings.simplefilter("ignore")
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
-
-
 def test_soak_500_steps_with_a_recompute_plan_leaves_memory_flat(gpt2):
     """A replay's graph is never backwarded: nothing it makes may outlive it (the leak this
     guards against: a node that saves its own output forming a cycle through C++)."""
@@ -129,15 +116,14 @@ def test_soak_500_steps_with_a_recompute_plan_leaves_memory_flat(gpt2):
     prof = profile(model, zoo.step, batch)
     plan = ss.plan(prof, "a100-80g-pcie4", 1.0, planner="full-recompute")
     ex = ss.apply(model, plan, prof)
-    samples = []
-    with ex:
-        for i in range(500):
-            model.zero_grad(set_to_none=True)
-            zoo.step(model, batch)
-            if i in (150, 499):  # (the allocators settle in the first ~100 steps)
-                samples.append((_live_tensors(), _rss()))
+    def step():
+        model.zero_grad(set_to_none=True)
+        zoo.step(model, batch)
+
+    with ex:  # (the allocators settle in the first ~100 steps)
+        samples = soak(step, 500, (150, 499))
     assert ex.stats.last_step.ops_recomputed > 0 and ex.stats.steps == 500
-    (tensors_150, rss_150), (tensors_499, rss_499) = samples
+    (tensors_150, rss_150, _), (tensors_499, rss_499, _) = samples
     assert tensors_499 == tensors_150
     # a leak of even 5% of one step's saved bytes would add 350 * 0.05 * ~0.6 MB = ~10 MB
     assert rss_499 - rss_150 < 4 << 20, (rss_150 >> 20, rss_499 >> 20)

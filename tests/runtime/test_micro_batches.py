@@ -11,7 +11,7 @@ import torch
 import slackswap_ds as ss
 from slackswap_ds.plan import Decision, Plan
 
-from exactness import profile, random_plan
+from exactness import profile, random_plan, soak
 
 transformers = pytest.importorskip("transformers")
 
@@ -125,18 +125,12 @@ def test_a_micro_batch_started_twice_is_refused(setup):
 def test_soak_of_1f1b_batches_with_recompute_and_swap_leaves_memory_flat(setup):
     """120 batches of 4 micro-batches (2 in flight) under a plan that swaps and recomputes: live
     tensors equal and RSS flat between batch 40 and batch 119; nothing left on the device."""
-    from test_loops import _live_tensors, _rss
-
     model, batches, prof = setup
     plan = random_plan(prof, 2)
     assert {Decision.SWAP, Decision.RECOMPUTE} <= set(plan.decision.values())
     executor = ss.apply(model, plan, prof)
-    samples = []
-    for i in range(120):
-        run_schedule(model, batches, 2, executor)
-        if i in (40, 119):  # (the allocators settle first)
-            samples.append((_live_tensors(), _rss()))
-    (tensors_40, rss_40), (tensors_119, rss_119) = samples
+    samples = soak(lambda: run_schedule(model, batches, 2, executor), 120, (40, 119))  # (the allocators settle first)
+    (tensors_40, rss_40, _), (tensors_119, rss_119, _) = samples
     assert tensors_119 == tensors_40
     assert rss_119 - rss_40 < 4 << 20, (rss_40 >> 20, rss_119 >> 20)
     assert executor.stats.last_step.ops_recomputed > 0 and executor.resident_bytes == 0
