@@ -141,6 +141,7 @@ def test_every_plan_of_a_model_compiled_whole_is_exact_aot_eager(name, how):
     check_every_plan(name, "aot_eager", random_plans=3, whole=how)
 
 
+@pytest.mark.slow  # (suite time: inductor compiles; benchmarks/compiled_sweep.py --whole runs it on more models)
 def test_every_plan_of_gpt2_compiled_whole_with_inductor_is_exact_to_it_compiled_per_block():
     check_every_plan("gpt2", "inductor", random_plans=3, whole="model.compile()")
 
