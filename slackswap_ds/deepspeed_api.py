@@ -9,6 +9,7 @@ private API included, is here, so that a DeepSpeed upgrade has one place to look
   wrapped (`hook_pipeline`); its `pipe_buffers`, stage id, topology and
   `activation_checkpoint_interval`.
 * ZeRO: the host bytes ZeRO-Offload pins, and whether ZeRO-Infinity offloads parameters.
+* `engine.compile()`: whether DeepCompile or compiled autograd is on.
 """
 
 from __future__ import annotations
@@ -257,7 +258,19 @@ def offloads_parameters(engine) -> bool:
     return getattr(engine, "zero_offload_param", lambda: None)() is not None
 
 
-__all__ = ["MARK", "checkpointing_set_aside", "config_file_of", "config_given", "hook_forward_backward",
+# ---- compile -------------------------------------------------------------------------------------------
+def deepcompile_active(engine) -> bool:
+    """engine.compile() compiled the model through DeepCompile's passes."""
+    return bool(getattr(engine, "is_deepcompile_active", lambda: False)())
+
+
+def compiled_autograd_enabled(engine) -> bool:
+    """engine.compile(compiled_autograd_enabled=True) (a private flag in DeepSpeed 0.19.8)."""
+    return bool(getattr(engine, "_is_compiled_autograd_enabled", False))
+
+
+__all__ = ["MARK", "checkpointing_set_aside", "compiled_autograd_enabled", "config_file_of", "config_given",
+           "deepcompile_active", "hook_forward_backward",
            "hook_pipeline",
            "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
            "micro_batch_inputs", "offloads_parameters", "original_initialize", "partitions_parameters",

@@ -30,8 +30,8 @@ from .agreement import AgreementError  # noqa: F401  (re-exported: callers catch
 from .config import SECTION, ConfigError, SlackSwapConfig, load_config
 from .errors import SlackSwapError
 from .coordination import Coordinator
-from .deepspeed_api import (MARK, config_file_of, config_given, hook_forward_backward, initialize_without_section,
-                            is_pipeline_engine, remember_original)
+from .deepspeed_api import (MARK, compiled_autograd_enabled, config_file_of, config_given, deepcompile_active,
+                            hook_forward_backward, initialize_without_section, is_pipeline_engine, remember_original)
 from .logs import EVERY_RANK, SayOnce, log, said_once_per_job, setup_logging
 from .plan import Plan
 from .plans import PlanMaker
@@ -97,12 +97,12 @@ def take_compiled_model(engine) -> None:
     on its own, said in the log if that changed anything), at initialize and again at the first step
     (engine.compile() may come in between). What it cannot take stops the job, said once."""
     try:
-        if getattr(engine, "is_deepcompile_active", lambda: False)():
+        if deepcompile_active(engine):
             raise CompiledCodeError('DeepCompile ("compile": {"deepcompile": true} and engine.compile()) compiles the '
                                     'whole model through its own graph passes, and SlackSwap carries its plans out '
                                     'per compiled block: use one of them. Without "deepcompile", engine.compile() '
                                     'works with SlackSwap (each block compiled on its own)')
-        if getattr(engine, "_is_compiled_autograd_enabled", False):
+        if compiled_autograd_enabled(engine):
             raise CompiledCodeError("engine.compile(compiled_autograd_enabled=True) compiles backward, where SlackSwap "
                                     "brings saved tensors back and runs blocks again: leave compiled autograd off "
                                     "under SlackSwap")

@@ -2,7 +2,8 @@
 
 Library output goes through the ``slackswap_ds`` logger. A job of N ranks says things once: on
 ranks other than 0 only warnings, errors and records marked `EVERY_RANK` (what differs on that
-rank) get through, and not warnings marked `SAME_ON_EVERY_RANK` (what every rank would say alike). `SayOnce` keeps a message that could repeat every step to its first time.
+rank) get through, and not warnings marked `SAME_ON_EVERY_RANK` (what every rank would say alike).
+`SayOnce` keeps a message that could repeat every step to its first time.
 """
 
 from __future__ import annotations
@@ -88,4 +89,5 @@ class SayOnce:
             log.log(level, message, *args, **kwargs)
 
 
-__all__ = ["EVERY_RANK", "SAME_ON_EVERY_RANK", "RankZeroFilter", "SayOnce", "job_rank", "log", "said_once_per_job", "setup_logging"]
+__all__ = ["EVERY_RANK", "SAME_ON_EVERY_RANK", "RankZeroFilter", "SayOnce", "job_rank", "log", "said_once_per_job",
+           "setup_logging"]

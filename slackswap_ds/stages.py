@@ -95,7 +95,7 @@ class StageRuntime:
         return self.plans.holds
 
     def attach(self) -> None:
-        self.module = self.engine.module  # (a compiled part it cannot plan stopped initialize already)
+        self.module = self.engine.module  # (initialize took its compiled parts: engine.take_compiled_model)
         self.plans = PlanMaker.for_engine(self.engine, self.cfg)
         self.device_type = device_of(self.module).type
         self.reports = StepReports(self.cfg, self.plans.hw, self.device_type)

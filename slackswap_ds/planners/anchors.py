@@ -24,11 +24,10 @@ from __future__ import annotations
 
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
-from ..plan import END_OF_FORWARD, Decision, Plan, lower
+from ..plan import END_OF_FORWARD, Decision, Plan
 from ..profile import StepProfile
-from ..simulator import simulate
 from .baselines import CORE_ATTENTION_REPLAY, plan_megatron_selective
-from .common import PRIVATE, Planned, RegionModel, Share, held_bytes, keep_all
+from .common import PRIVATE, Planned, RegionModel, Share, keep_all, simulated
 from .milp import solve_region_milp
 
 # deepspeed/compile/passes/offload_activation.py (DeepSpeed 0.19.8): MIN_OFFLOAD_SIZE
@@ -96,11 +95,7 @@ def plan_torchtitan_ilp(profile: StepProfile, hw: Hardware, budget_bytes: int, s
     planned = solve_region_milp(model, budget_bytes, allow_swap=True, planner="torchtitan-ilp").planned
     if share == PRIVATE:
         return planned
-    plan = planned.plan
-    held = held_bytes(profile, plan.decision, holds)
-    schedule = lower(profile, plan)
-    result = simulate(schedule, share.limit(hw), budget_bytes=budget_bytes - held, record=False)
-    return _judged(Planned(plan, schedule, result, held), budget_bytes)
+    return _judged(simulated(profile, planned.plan, hw, share, holds), budget_bytes)
 
 
 def plan_megatron_offload(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
@@ -122,35 +117,27 @@ def plan_megatron_offload(profile: StepProfile, hw: Hardware, budget_bytes: int,
         region = profile.ops[i].region
         if region not in first_core_bwd and i + 1 < len(profile.ops):
             first_core_bwd[region] = profile.ops[i + 1].key
-    regions = [r for r in dict.fromkeys(profile.ops[i].region for i in sorted(core))]
+    regions = list(dict.fromkeys(profile.ops[i].region for i in sorted(core)))
+    next_layer = dict(zip(regions, regions[1:]))  # the layer whose core attention's backward comes just before
     triggers = {}
     for a in profile.activations:
         reads_core = any(u in core for u in a.users)
         made_in_core = any(p in core for p in a.producers)
         if reads_core and not made_in_core and decisions[a.key] is Decision.KEEP:
             decisions[a.key] = Decision.SWAP
-            region = profile.region_of(a)
-            after = regions[regions.index(region) + 1] if region in regions[:-1] else None
-            triggers[a.key] = first_core_bwd.get(after, END_OF_FORWARD) if after else END_OF_FORWARD
+            triggers[a.key] = first_core_bwd.get(next_layer.get(profile.region_of(a)), END_OF_FORWARD)
     plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest,
                       planner="megatron-offload", prefetch=triggers, replay=selective.replay)
-    held = held_bytes(profile, decisions, holds)
-    schedule = lower(profile, plan)
-    return _judged(Planned(plan, schedule, simulate(schedule, share.limit(hw), budget_bytes=budget_bytes - held,
-                                                    record=False), held), budget_bytes)
+    return _judged(simulated(profile, plan, hw, share, holds), budget_bytes)
 
 
 def _simulated(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share, budget_bytes: int,
                holds: int, planner: str, just_in_time: bool = False) -> Planned:
     """The plan of `decisions` (forward waiting for its copies, as both offloading anchors do), each
     copy-in triggered as the anchor does (`_reload_starts`), lowered and simulated on the rank's real share."""
-    triggers = _reload_starts(profile, decisions, hw, just_in_time)
     plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
-                      prefetch=triggers, blocking=True)
-    held = held_bytes(profile, decisions, holds)
-    schedule = lower(profile, plan)
-    return Planned(plan, schedule, simulate(schedule, share.limit(hw), budget_bytes=budget_bytes - held,
-                                            record=False), held)
+                      prefetch=_reload_starts(profile, decisions, hw, just_in_time), blocking=True)
+    return simulated(profile, plan, hw, share, holds)
 
 
 def _reload_starts(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware,

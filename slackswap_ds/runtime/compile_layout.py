@@ -28,8 +28,7 @@ kernels (inductor fuses across block boundaries, and its partitioner chooses per
 gradient differs in its last bits even with dropout off (tiny GPT-2 and Llama: the same loss, no
 gradient bit-equal), and inductor draws each graph's dropout masks from one seed per graph, so with
 dropout on the masks differ too. The job then trains the model compiled per block (torchtitan's
-layout), and every plan is exact to that. `"enabled": false` keeps the user's
-layout untouched.
+layout), and every plan is exact to that. `"enabled": false` keeps the user's layout untouched.
 """
 
 from __future__ import annotations
@@ -57,9 +56,14 @@ class CompiledCodeError(SlackSwapError):
 def is_compiled(module: nn.Module) -> bool:
     """torch.compile(module) (an OptimizedModule) or module.compile() (in place; DeepSpeed's
     engine.compile() does this to the model), unless SlackSwap made it run eagerly."""
-    if type(module).__name__ == "OptimizedModule":
+    if _is_wrapper(module):
         return module not in _MADE_EAGER
-    return getattr(module, "_compiled_call_impl", None) is not None or _forward_compiled(module)
+    return _compiled_in_place(module) or _forward_compiled(module)
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """torch.compile(module)'s OptimizedModule (by name: no import of Dynamo for an eager model)."""
+    return type(module).__name__ == "OptimizedModule"
 
 
 def _forward_compiled(module: nn.Module) -> bool:
@@ -124,7 +128,7 @@ def to_per_block(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> tuple
             module._compiled_call_impl = None
             _compile_forward(module, context)
             continue
-        how = "torch.compile(module)" if type(module).__name__ == "OptimizedModule" else "module.compile()"
+        how = "torch.compile(module)" if _is_wrapper(module) else "module.compile()"
         enclosing = next((p for p in paths if _within(part, p)), None)
         targets = [enclosing] if enclosing is not None else [p for p in paths if _within(p, part)]
         _run_eagerly(module)
@@ -139,7 +143,8 @@ def to_per_block(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> tuple
                     "feeds several blocks, as an encoder's output feeds every decoder layer: autograd sums its "
                     "gradient's parts in another order than the whole graph did); with inductor the job trains the "
                     "model compiled per block, whose backward kernels and dropout masks are not the whole model's "
-                    "(the gradients' last bits differ). \"enabled\": false keeps your compilation as it was", "; ".join(c.describe() for c in changes), extra=SAID_ONCE_PER_JOB)
+                    "(the gradients' last bits differ). \"enabled\": false keeps your compilation as it was",
+                    "; ".join(c.describe() for c in changes), extra=SAID_ONCE_PER_JOB)
     return tuple(changes)
 
 
@@ -151,7 +156,7 @@ def _dynamo_context(module: nn.Module):
     """The Dynamo context (backend and settings) `module` was compiled with, or None."""
     from torch._dynamo.eval_frame import _TorchDynamoContext
 
-    if type(module).__name__ == "OptimizedModule":
+    if _is_wrapper(module):
         context = getattr(module, "dynamo_ctx", None)
         return context if isinstance(context, _TorchDynamoContext) else None
     # module.compile() keeps only torch.compile's wrapper of _call_impl; the context is in its closure
@@ -172,7 +177,7 @@ def _compile_forward(layer: nn.Module, context) -> None:
 
 
 def _run_eagerly(module: nn.Module) -> None:
-    if type(module).__name__ == "OptimizedModule":
+    if _is_wrapper(module):
         module.forward = module._orig_mod.__call__  # (OptimizedModule keeps `forward` on itself)
         _MADE_EAGER.add(module)
     else:
