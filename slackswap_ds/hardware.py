@@ -16,6 +16,11 @@ benchmark, each with its source), interpolated linearly in log(x) and held flat 
   NVLink/NVSwitch board (nccl-tests' busbw: time = bytes * 2(n-1)/n / busbw for an all-reduce,
   bytes * (n-1)/n / busbw for an all-gather or reduce-scatter of the full buffer). Needed only by
   tensor parallelism.
+
+Optional scalars (a preset without them keeps the plain roofline): ``sm_count`` turns on the GEMM
+*shape* model (`gemm_shape_efficiency`), ``elementwise_bps`` is what memory-bound kernels achieve (a
+STREAM-like copy, below the read bandwidth ``hbm_bps``), ``kernel_overhead_s`` is the fixed time each
+kernel adds (launch and the gap between dependent kernels).
 """
 
 from __future__ import annotations
@@ -68,6 +73,27 @@ class Curve:
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
 
+# The large output tiles (M x N) cuBLAS chooses among for 16-bit GEMMs: NVIDIA, "Matrix Multiplication
+# Background User's Guide" (docs.nvidia.com/deeplearning/performance/dl-performance-matrix-multiplication),
+# sections "Tile Quantization" and "Wave Quantization" (its examples use 256x128 tiles; its list of
+# tile sizes starts 256x128, 128x256, 128x128). Smaller tiles reuse less data, so only these are counted.
+GEMM_TILES = ((256, 128), (128, 256), (128, 128))
+
+GemmShape = tuple[int, int, int, int]  # (batch, m, n, k): batch GEMMs of an m x k by k x n product
+
+
+def tile_efficiency(batch: float, m: float, n: float, sm_count: int) -> float:
+    """Useful fraction of the work a GEMM's output tiles give the SMs (NVIDIA's matmul guide), for
+    the tile that quantizes best: tile quantization (the last row / column of tiles is partly empty)
+    times wave quantization (the last wave of tiles leaves SMs idle)."""
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+        tiles = batch * rows * cols
+        waves = math.ceil(tiles / sm_count)
+        best = max(best, (m * n) / (rows * tm * cols * tn) * tiles / (waves * sm_count))
+    return best
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -88,6 +114,10 @@ class Hardware:
     gemm_flops: Curve | None = None  # achieved FLOP/s by GEMM size; replaces matmul_efficiency
     allreduce_busbw: Curve | None = None  # NCCL bus bandwidth by message size on the NVLink board
     flash_attention_flops: Curve | None = None  # achieved FLOP/s of fused attention kernels
+    gemm_shapes: tuple[GemmShape, ...] = ()  # the (batch, m, n, k) of each gemm_flops point
+    sm_count: int = 0  # streaming multiprocessors; 0: GEMM speed by FLOPs only, not by shape
+    elementwise_bps: float = math.nan  # what memory-bound kernels achieve; nan: hbm_bps
+    kernel_overhead_s: float = 0.0  # fixed cost of each kernel (launch, gap between dependent kernels)
 
     @classmethod
     def instant_copies(cls) -> "Hardware":
@@ -102,8 +132,37 @@ class Hardware:
             return self.gemm_flops.at(flops)
         return self.peak_flops * self.matmul_efficiency
 
-    def gemm_s(self, flops: float) -> float:
-        return flops / self.gemm_rate(flops) if flops > 0 else 0.0
+    @property
+    def by_shape(self) -> bool:
+        """Whether GEMMs are timed by shape: an SM count and the measured curve's shapes are known."""
+        return bool(self.sm_count) and self.gemm_flops is not None and bool(self.gemm_shapes)
+
+    def tile_efficiency(self, shape: GemmShape) -> float:
+        batch, m, n, _ = shape
+        return tile_efficiency(batch, m, n, self.sm_count)
+
+    @cached_property
+    def _unquantized_gemm_flops(self) -> Curve:
+        """The GEMM curve with each measured point's own tile efficiency divided out: what a GEMM
+        of that size does per useful tile."""
+        return Curve(tuple((x, y / self.tile_efficiency(shape))
+                           for (x, y), shape in zip(self.gemm_flops.points, self.gemm_shapes)))
+
+    def gemm_s(self, flops: float, shape: GemmShape | None = None) -> float:
+        """Seconds of one GEMM call of `flops`. With its `shape` (and a preset that times by shape),
+        the rate is the curve's, its points' tile efficiencies divided out, times this shape's: a
+        measured shape runs exactly at its measured speed, a skinny or ragged one slower than a
+        square of the same FLOPs."""
+        if flops <= 0:
+            return 0.0
+        if shape is None or not self.by_shape:
+            return flops / self.gemm_rate(flops)
+        return flops / (self._unquantized_gemm_flops.at(flops) * self.tile_efficiency(shape))
+
+    def elementwise_s(self, nbytes: float) -> float:
+        """Seconds of memory-bound work reading and writing `nbytes` in all."""
+        rate = self.hbm_bps if math.isnan(self.elementwise_bps) else self.elementwise_bps
+        return nbytes / rate
 
     def attention_s(self, flops: float) -> float:
         """Seconds of one fused (flash) attention kernel of `flops`."""
@@ -127,11 +186,20 @@ class Hardware:
         return nbytes * factor / self.allreduce_busbw.at(nbytes)
 
     def params(self) -> dict[str, float]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _GPU_PARAMS}
+        """The scalars, the optional ones only where given (a preset without them keeps its digest)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name in _GPU_PARAMS}
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in _OPTIONAL_GPU_PARAMS}
+        for k, default in defaults.items():
+            v = getattr(self, k)
+            if not (v == default or (isinstance(v, float) and math.isnan(v))):
+                out[k] = v
+        return out
 
     @cached_property
     def digest(self) -> str:
         curves = {k: [list(p) for p in c.points] for k, c in self.curves().items()}
+        if self.gemm_shapes:
+            curves["gemm_shapes"] = [list(sh) for sh in self.gemm_shapes]
         return _digest({"kind": "gpu", "name": self.name, **self.params(), **({"curves": curves} if curves else {})})
 
     def curves(self) -> dict[str, Curve]:
@@ -142,6 +210,7 @@ _CURVES = ("gemm_flops", "allreduce_busbw", "flash_attention_flops")
 _GPU_PARAMS = (
     "peak_flops matmul_efficiency hbm_bytes hbm_bps d2h_bps h2d_bps duplex_d2h_bps duplex_h2d_bps copy_latency_s"
 ).split()
+_OPTIONAL_GPU_PARAMS = ("sm_count", "elementwise_bps", "kernel_overhead_s")  # absent: the plain roofline
 
 
 @dataclass(frozen=True)
@@ -233,19 +302,20 @@ def _read(name_or_path: str | Path, kind: str) -> tuple[dict, Path]:
     return data, path
 
 
-def _params(data: dict, path: Path, expected: list[str], ints: set[str] = frozenset()) -> tuple[dict, tuple]:
+def _params(data: dict, path: Path, expected: list[str], ints: set[str] = frozenset(),
+            optional: tuple[str, ...] = ()) -> tuple[dict, tuple]:
     raw = data.get("params")
     if not isinstance(raw, dict):
         raise InvalidFileError(f"hardware file {str(path)!r}: missing object \"params\"")
     problems = []
     missing = [k for k in expected if k not in raw]
-    unknown = [k for k in raw if k not in expected]
+    unknown = [k for k in raw if k not in expected and k not in optional]
     if missing:
         problems.append(f"missing params {missing}")
     if unknown:
-        problems.append(f"unknown params {unknown} (valid: {expected})")
+        problems.append(f"unknown params {unknown} (valid: {expected + list(optional)})")
     values, sources = {}, []
-    for k in expected:
+    for k in expected + [k for k in optional if k in raw]:
         entry = raw.get(k)
         if entry is None:
             continue
@@ -277,7 +347,7 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
     if "gemm_flops" in curves and "matmul_efficiency" in (data.get("params") or {}):
         raise InvalidFileError(f"hardware file {str(path)!r}: give the gemm_flops curve or matmul_efficiency, "
                                f"not both (one owner for matmul speed)")
-    values, sources = _params(data, path, expected)
+    values, sources = _params(data, path, expected, {"sm_count"}, _OPTIONAL_GPU_PARAMS)
     values.setdefault("matmul_efficiency", math.nan)  # unused: the curve gives GEMM speed
     if values["matmul_efficiency"] > 1:
         raise InvalidFileError(f"hardware file {str(path)!r}: matmul_efficiency must be in (0, 1]")
@@ -306,10 +376,31 @@ def _curves(data: dict, path: Path) -> tuple[dict[str, Curve], tuple[tuple[str, 
             problems.append(f"curve {k!r}: status must be one of {list(STATUSES)}, got {entry['status']!r}")
         if not str(entry["source"]).strip():
             problems.append(f"curve {k!r}: empty source")
+        if "shapes" in entry:
+            shapes = _gemm_shapes(k, entry["shapes"], curves[k], problems)
+            if shapes:
+                curves["gemm_shapes"] = shapes
         sources.append((k, f"{entry['status']}: {entry['source']}"))
     if problems:
         raise InvalidFileError(f"hardware file {str(path)!r}: " + "; ".join(problems))
     return curves, tuple(sources)
+
+
+def _gemm_shapes(curve: str, raw, points: Curve, problems: list[str]) -> tuple[GemmShape, ...]:
+    """The measured (batch, m, n, k) of each point of the GEMM curve: its FLOPs must be 2*b*m*n*k."""
+    if curve != "gemm_flops":
+        problems.append(f"curve {curve!r}: only gemm_flops has shapes")
+        return ()
+    ok = (isinstance(raw, list) and len(raw) == len(points.points)
+          and all(isinstance(s, list) and len(s) == 4 and all(isinstance(d, int) and not isinstance(d, bool)
+                                                               and d > 0 for d in s) for s in raw))
+    if not ok:
+        problems.append("curve 'gemm_flops': shapes must be one [batch, m, n, k] of positive integers per point")
+        return ()
+    for (x, _), (b, m, n, k) in zip(points.points, raw):
+        if not math.isclose(x, 2.0 * b * m * n * k, rel_tol=1e-9):
+            problems.append(f"curve 'gemm_flops': point x = {x:g} is not 2*b*m*n*k of its shape {[b, m, n, k]}")
+    return tuple(tuple(s) for s in raw)
 
 
 def load_node(name_or_path: str | Path) -> Node:

@@ -197,6 +197,7 @@ def spec_from_hf_config(config: str | os.PathLike | dict, *, seq: int, micro_bat
     r = _Reader(cfg, where)
     fields = _MAPPERS[family](r)
     fields["tied_embeddings"] = bool(r.opt("tie_word_embeddings", True))  # (transformers' default: tied)
+    fields["causal"] = family != "bert"  # decoders mask the future; BERT's encoder attends both ways
     max_pos = fields.pop("max_pos")
     if seq > max_pos:
         raise ProfileError(f"{where}: seq {seq} exceeds the model's maximum positions ({max_pos})")

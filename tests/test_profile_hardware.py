@@ -71,6 +71,37 @@ def test_gemm_speed_and_collective_times_come_from_the_measured_curves():
         load_hardware("gh200").collective_s("all_reduce", S, 2)
 
 
+def test_a_gemm_by_shape_runs_as_its_flops_say_when_square_and_slower_when_skinny():
+    hw = load_hardware("a100-80g-pcie4")  # 108 SMs; its curve's points are measured squares
+    assert hw.by_shape
+    for side, measured in ((1024, 119.4e12), (4096, 228.0e12), (16384, 256.5e12)):
+        flops = 2.0 * side**3
+        assert hw.gemm_s(flops, (1, side, side, side)) == pytest.approx(hw.gemm_s(flops)) == flops / measured
+    # Azure's skinny cuBLASLt case 802816 x 192 x 768 (measured 157.8 TFLOP/s; the FLOP-only curve
+    # gives 234.7): N = 192 fills 75% of two 128-wide tiles; 12544 tiles of 128x128 make 116.1 waves
+    # of 108 (117 run): 0.75 * 12544 / (117 * 108) = 0.7445 of the SMs' work is useful. Its FLOPs lie
+    # between 4096^3 (228.0 at a tile efficiency of 0.948) and 8192^3 (253.7 at 0.998).
+    flops = 2.0 * 802816 * 192 * 768
+    assert hw.tile_efficiency((1, 802816, 192, 768)) == pytest.approx(0.75 * 12544 / (117 * 108))
+    rate = flops / hw.gemm_s(flops, (1, 802816, 192, 768))
+    assert rate == pytest.approx(181.7e12, rel=1e-3)
+    assert flops / hw.gemm_s(flops) == pytest.approx(234.7e12, rel=1e-3)
+    # an output too small for one wave: 768 x 3072 in 128x256 tiles is 72 tiles for 108 SMs
+    assert hw.tile_efficiency((1, 768, 3072, 81920)) == pytest.approx(72 / 108)
+    # a preset without an SM count keeps the FLOP-only lookup
+    import dataclasses
+    assert dataclasses.replace(hw, sm_count=0).gemm_s(flops, (1, 802816, 192, 768)) == hw.gemm_s(flops)
+
+
+def test_gemm_curve_shapes_must_match_its_points(tmp_path):
+    data = json.loads((hardware_dir() / "a100-80g-pcie4.json").read_text())
+    data["curves"]["gemm_flops"]["shapes"][0] = [1, 1024, 1024, 512]
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidFileError, match="not 2\\*b\\*m\\*n\\*k of its shape"):
+        load_hardware(path)
+
+
 def test_a_preset_gives_the_gemm_curve_or_an_efficiency_not_both(tmp_path):
     data = json.loads((hardware_dir() / "a100-80g-pcie4.json").read_text())
     data["params"]["matmul_efficiency"] = {"value": 0.6, "source": "x", "status": "derived"}

@@ -19,6 +19,8 @@ from slackswap_ds.profile import StepProfile
 from slackswap_ds.workloads import (
     PRESETS,
     ModelSpec,
+    Parallel,
+    build_costs,
     layer_activation_bytes,
     layer_forward_flops,
     load_workload_file,
@@ -162,7 +164,30 @@ def test_flash_removes_exactly_the_s2_terms():
     # 34·s·b·h plus the fp32 log-sum-exp 4·b·a·s; the 5·a·s²·b attention-core bytes are gone
     assert layer_activation_bytes(flash) == 34 * s * b * h + 4 * b * a * s == 892_928_000
     assert layer_activation_bytes(spec) - layer_activation_bytes(flash) == 5 * a * s * s * b - 4 * b * a * s
-    assert layer_forward_flops(flash) == layer_forward_flops(spec)
+    # the same FLOPs as the unfused core without a causal mask; with one, the fused kernel skips blocks
+    assert layer_forward_flops(dataclasses.replace(flash, causal=False)) == layer_forward_flops(spec)
+    assert layer_forward_flops(flash) < layer_forward_flops(spec)
+
+
+def test_a_fused_causal_attention_op_does_half_the_full_work_plus_half_the_diagonal_blocks():
+    # toy: s = 512 in blocks of 128 -> n = 4 blocks a side; 10 of the 16 blocks are at or below the
+    # diagonal: half of the work (8 blocks) plus half of the 4 diagonal blocks
+    s, b, a, d = 512, 2, 4, 64
+    spec = small_spec(seq=s, micro_batch=b, heads=a, kv_heads=a, hidden=a * d, ffn=4 * a * d)
+    full_spec = dataclasses.replace(spec, flash=True, causal=False)
+    causal_spec = dataclasses.replace(full_spec, causal=True)
+
+    def flash_op(sp):
+        return next(c for c in build_costs(sp, Parallel(), layers=[0], embed=False, head=False).costs
+                    if c.key.endswith("flash_attn"))
+
+    full, causal = flash_op(full_spec), flash_op(causal_spec)
+    assert full.gemms == (4.0 * b * s * s * a * d,)  # QK^T and P.V over the whole s x s
+    assert causal.gemms[0] == full.gemms[0] * 10 / 16 == full.gemms[0] / 2 + full.gemms[0] * 4 / 2 / 16
+    assert causal.bwd_gemms[0] == full.bwd_gemms[0] * 10 / 16
+    # the unfused core materialises every score: a causal mask saves it nothing
+    unfused = dataclasses.replace(spec, flash=False, causal=True)
+    assert layer_forward_flops(unfused) == layer_forward_flops(dataclasses.replace(unfused, causal=False))
 
 
 def test_no_dropout_means_no_dropout_ops_or_masks():
@@ -231,32 +256,38 @@ def test_swiglu_gqa_flops():
     spec = PRESETS["llama-70b"]
     b, s, h, f, kv, d = spec.micro_batch, spec.seq, spec.hidden, spec.ffn, spec.kv_heads, spec.head_dim
     linear = 2 * b * s * h * (h + 2 * kv * d) + 2 * b * s * h * h + 3 * 2 * b * s * h * f
-    assert layer_forward_flops(spec) == linear + 4 * b * s * s * h
+    assert spec.flash and spec.causal  # the fused causal core: blocks of 128 at and below the diagonal
+    n = s // 128
+    assert layer_forward_flops(spec) == linear + 4 * b * s * s * h * (n + 1) / (2 * n)
 
 
 def test_matmul_backward_is_twice_forward_when_compute_bound(profiles):
     spec = PRESETS["gpt2-xl"]
     b, s, h, V = spec.micro_batch, spec.seq, spec.hidden, spec.vocab
     ops = {o.key: o for o in profiles["gpt2-xl"].ops}
-    flops = {
-        "layers.7.attn:1:qkv": 2 * b * s * h * 3 * h,
-        "layers.7.attn:6:proj": 2 * b * s * h * h,
-        "layers.7.mlp:1:fc1": 2 * b * s * h * 4 * h,
-        "layers.7.mlp:3:fc2": 2 * b * s * 4 * h * h,
-        "head:1:lm_head": 2 * b * s * h * V,
+    t = b * s  # tokens: (batch, m, n, k) of Y = X W, of the input gradient and of the weight gradient
+    shapes = {
+        "layers.7.attn:1:qkv": (t, 3 * h, h),
+        "layers.7.attn:6:proj": (t, h, h),
+        "layers.7.mlp:1:fc1": (t, 4 * h, h),
+        "layers.7.mlp:3:fc2": (t, h, 4 * h),
+        "head:1:lm_head": (t, V, h),
     }
-    for key, f in flops.items():
-        op = ops[key]
-        # compute-bound, at the measured rate of a GEMM of its size; backward: two GEMMs of that size
-        assert op.fwd_s == pytest.approx(f / HW.gemm_rate(f), rel=1e-12), key
-        assert op.bwd_s == pytest.approx(2 * op.fwd_s, rel=1e-12), key
+    for key, (m, n, k) in shapes.items():
+        op, f = ops[key], 2.0 * m * n * k
+        # compute-bound, at the measured rate of a GEMM of its size and shape; backward: the input
+        # gradient (m x n by n x k) and the weight gradient (k x m by m x n), the same FLOPs
+        assert op.fwd_s == pytest.approx(HW.gemm_s(f, (1, m, n, k)), rel=1e-12), key
+        assert op.bwd_s == pytest.approx(HW.gemm_s(f, (1, m, k, n)) + HW.gemm_s(f, (1, k, n, m)), rel=1e-12), key
+        assert op.fwd_s == pytest.approx(f / HW.gemm_rate(f), rel=0.25), key  # the shape moves it a little
 
 
 def test_flash_backward_is_2_5x_forward(profiles):
     spec = PRESETS["llama-7b"]
     b, s, h = spec.micro_batch, spec.seq, spec.hidden
     op = next(o for o in profiles["llama-7b"].ops if o.key == "layers.0.attn:3:flash_attn")
-    f = 4 * b * s * s * h
+    n = s // 128
+    f = 4 * b * s * s * h * (n + 1) / (2 * n)  # causal: the blocks at and below the diagonal
     assert op.fwd_s == pytest.approx(HW.attention_s(f), rel=1e-12)  # at the measured FlashAttention speed
     assert op.bwd_s == pytest.approx(HW.attention_s(2.5 * f), rel=1e-12)  # one kernel of 2.5x the FLOPs
     assert HW.attention_s(f) > HW.gemm_s(f)
@@ -266,8 +297,10 @@ def test_softmax_is_hbm_bound_with_explicit_bytes(profiles):
     spec = PRESETS["gpt2-xl"]
     N = spec.micro_batch * spec.heads * spec.seq**2
     op = next(o for o in profiles["gpt2-xl"].ops if o.key == "layers.0.attn:3:softmax")
-    assert op.fwd_s == pytest.approx(2 * N * 2 / HW.hbm_bps, rel=1e-12)  # read x, write y
-    assert op.bwd_s == pytest.approx(3 * N * 2 / HW.hbm_bps, rel=1e-12)  # read y, dy; write dx
+    # at the measured speed of a memory-bound kernel (STREAM Copy), plus each kernel's fixed cost
+    assert HW.elementwise_bps == 1.61e12
+    assert op.fwd_s == pytest.approx(2 * N * 2 / HW.elementwise_bps + HW.kernel_overhead_s, rel=1e-12)  # read x, write y
+    assert op.bwd_s == pytest.approx(3 * N * 2 / HW.elementwise_bps + HW.kernel_overhead_s, rel=1e-12)  # read y, dy; write dx
 
 
 # ---- structure ---------------------------------------------------------------------------------

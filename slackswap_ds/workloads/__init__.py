@@ -30,7 +30,8 @@ from .layer import add_layer
 from .presets import load_workload_file, preset_spec, presets, workload_names, workloads_dir
 from .spec import FFN_KINDS, NORM_PLACEMENTS, NORMS, ModelSpec, Parallel
 
-__all__ = ["FFN_KINDS", "NORMS", "NORM_PLACEMENTS", "PRESETS", "ModelSpec", "Parallel", "layer_activation_bytes",
+__all__ = ["FFN_KINDS", "NORMS", "NORM_PLACEMENTS", "PRESETS", "ModelSpec", "Parallel", "build_costs",
+           "layer_activation_bytes",
            "layer_forward_flops", "load_workload_file", "model_params", "preset_spec", "presets", "region_params",
            "transformer_profile", "workload", "workload_names", "workloads_dir"]
 

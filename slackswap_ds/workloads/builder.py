@@ -36,7 +36,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
-from ..hardware import Hardware
+from ..hardware import GemmShape, Hardware
 from .spec import ModelSpec, Parallel
 
 MASK_BYTES = 1  # dropout masks: one byte per element (torch.bool)
@@ -60,19 +60,29 @@ class OpCost:
     bwd_comms: Comms = ()
     attention: bool = False  # a fused attention kernel (its own measured speed), not a GEMM
     params: float = 0.0  # weight elements the op owns on this rank (for gradients and the optimizer)
+    shapes: tuple[GemmShape, ...] = ()  # (batch, m, n, k) of each GEMM in `gemms` ((): FLOPs only)
+    bwd_shapes: tuple[GemmShape, ...] = ()
 
     @property
     def flops(self) -> float:
         return float(sum(self.gemms))
 
     def times(self, hw: Hardware, tp: int) -> tuple[float, float]:
-        kernel_s = hw.attention_s if self.attention else hw.gemm_s
+        def kernel_s(flops: float, shape: GemmShape | None) -> float:
+            return hw.attention_s(flops) if self.attention else hw.gemm_s(flops, shape)
 
-        def one(gemms, nbytes, comms):
-            compute = max(sum(kernel_s(f) for f in gemms), nbytes / hw.hbm_bps)
-            return compute + sum(hw.collective_s(kind, b, tp) for kind, b in comms)
+        def one(gemms, shapes, nbytes, comms):
+            if gemms:  # GEMMs: compute or their operands' traffic, whichever is slower
+                shapes = shapes or (None,) * len(gemms)
+                compute = max(sum(kernel_s(f, sh) for f, sh in zip(gemms, shapes)), nbytes / hw.hbm_bps)
+            else:
+                compute = hw.elementwise_s(nbytes)
+            kernels = (len(gemms) or int(nbytes > 0)) + len(comms)
+            return (compute + kernels * hw.kernel_overhead_s
+                    + sum(hw.collective_s(kind, b, tp) for kind, b in comms))
 
-        return one(self.gemms, self.bytes, self.comms), one(self.bwd_gemms, self.bwd_bytes, self.bwd_comms)
+        return (one(self.gemms, self.shapes, self.bytes, self.comms),
+                one(self.bwd_gemms, self.bwd_shapes, self.bwd_bytes, self.bwd_comms))
 
 
 @dataclass(frozen=True)
@@ -99,14 +109,18 @@ class CostBuilder:
         self._counters[module] = i + 1
         return f"{module}:{i}:{name}"
 
-    def matmul(self, region: str, module: str, name: str, flops: float, elements: float,
+    def matmul(self, region: str, module: str, name: str, shape: GemmShape, elements: float,
                params: float = 0.0) -> str:
-        """One GEMM call touching `elements` (input + weight/second operand + output) once each;
-        `params`: its weight elements (0 for activation x activation products such as QK^T).
-        Backward: two GEMMs of the same FLOPs (input and weight gradients) and twice the bytes."""
+        """One GEMM call of `shape` (batch, m, n, k: `batch` products of m x k by k x n) touching
+        `elements` (input + weight/second operand + output) once each; `params`: its weight elements
+        (0 for activation x activation products such as QK^T). Backward: two GEMMs of the same FLOPs,
+        the input gradient (m x n by n x k) and the weight gradient (k x m by m x n), and twice the bytes."""
         key = self._key(module, name)
+        batch, m, n, k = shape
+        flops = 2.0 * batch * m * n * k
         nbytes = elements * self.bytes_per_element
-        self.costs.append(OpCost(key, region, (flops,), nbytes, (flops, flops), 2 * nbytes, params=params))
+        self.costs.append(OpCost(key, region, (flops,), nbytes, (flops, flops), 2 * nbytes, params=params,
+                                 shapes=(shape,), bwd_shapes=((batch, m, k, n), (batch, k, n, m))))
         return key
 
     def attention(self, region: str, module: str, name: str, flops: float, nbytes: float, bwd_flops: float,
@@ -228,7 +242,7 @@ def add_head(builder: CostBuilder) -> None:
     builder.save(f"{module}:norm.in", elements * bytes_per_element, [norm])  # the last layer's output: region input
     builder.save_norm_stats(module, "norm", norm, elements, f"{module}:norm.in")
     gather = builder.block_input(region, module, block_elements)
-    lm_head = builder.matmul(region, module, "lm_head", 2.0 * tokens * hidden * vocab_per_rank,
+    lm_head = builder.matmul(region, module, "lm_head", (1, tokens, vocab_per_rank, hidden),
                              tokens * hidden + hidden * vocab_per_rank + tokens * vocab_per_rank,
                              params=hidden * vocab_per_rank)
     builder.save(f"{module}:norm.out", elements * bytes_per_element, [lm_head], [norm], [f"{module}:norm.in"])

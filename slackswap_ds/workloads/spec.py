@@ -38,6 +38,7 @@ class ModelSpec:
     experts: int = 1  # mixture of experts: MLPs per layer (1 = a dense MLP)
     experts_per_token: int = 1  # MLPs each token is routed to (Mixtral: 2 of 8)
     tied_embeddings: bool = False  # the LM head reuses the embedding table (GPT-2, BERT): one copy of its weights
+    causal: bool = False  # decoder attention (GPT, Llama): a fused kernel skips the masked blocks
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -69,7 +70,7 @@ class ModelSpec:
             problems.append(f"dropout must be a probability in [0, 1), got {d!r}")
         if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
             problems.append(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {self.dtype_bytes!r}")
-        for f in ("flash", "rope", "tied_embeddings"):
+        for f in ("flash", "rope", "tied_embeddings", "causal"):
             if not isinstance(getattr(self, f), bool):
                 problems.append(f"{f} must be True or False, got {getattr(self, f)!r}")
         if not isinstance(self.source, str):
