@@ -35,6 +35,10 @@ from slackswap_ds.budget import resolve_budget  # noqa: E402
 from slackswap_ds.workloads import PRESETS, ModelSpec, Parallel, transformer_profile  # noqa: E402
 
 TARGET = 0.05
+EAGER = ("PyTorch eager + FSDP: per-op framework time, unfused elementwise kernels and FSDP's own work are not in "
+         "the cost model (llm.c's hand-written kernels on the same GPUs fit within 3%)")
+SUSTAINED = ("the H100 GEMM curve is XLA's table (783 TFLOP/s at 4096^3, burst clocks); sustained training clocks run "
+             "lower (stas00/ml-engineering: H200 MSMF 703 vs MAMF 828 TFLOP/s), not modelled")
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198)"
 FOUNDRY = "mosaicml/llm-foundry benchmarking README (commit 061f2c7c), A100 80GB"
 
@@ -63,7 +67,7 @@ def _mpt(name: str, d: int, heads: int, layers: int, micro_batch: int) -> ModelS
     ALiBi (no rotary embedding), no dropout, vocab 50368, flash attention, seq 2048, bf16."""
     return ModelSpec(name=name, layers=layers, hidden=d, heads=heads, kv_heads=heads, ffn=4 * d, ffn_kind="gelu",
                      norm="layernorm", norm_placement="pre", dropout=0.0, vocab=50368, seq=2048,
-                     micro_batch=micro_batch, dtype_bytes=2, flash=True, source=FOUNDRY)
+                     micro_batch=micro_batch, dtype_bytes=2, flash=True, source=FOUNDRY, causal=True)
 
 
 def rows() -> list[dict]:
@@ -111,18 +115,89 @@ def rows() -> list[dict]:
                ("MPT-125M", 768, 12, 12, 40, 2, 142830)]
     for name, d, a, layers, mb, ga, tokens in foundry:
         spec = _mpt(name, d, a, layers, mb)
-        job = Job(spec, dp=8, micro_batches=ga, zero=2)
+        job = Job(spec, dp=8, micro_batches=ga, zero=3)
         res = simulate_job(job, node, float("inf"), "keep-all")
         predicted = mb * ga * 2048 / res.step_s
-        # FSDP gathers each layer's 16-bit parameters in forward and again in backward, per micro-batch:
-        # at the NVLink curve, what that adds if none of it overlaps compute (an upper bound)
-        gathers = ga * 2 * node.gpu.collective_s("all_gather", job.stage_params(0) * 2 // layers, 8) * layers
-        left = predicted / (1 + gathers / res.step_s) / tokens - 1  # the miss were every gather exposed
         row(FOUNDRY, f"{name}: tokens/s per GPU", f"seq 2048, micro-batch {mb}, grad accum {ga}, 8 GPUs, no "
-            f"checkpointing, bf16, FSDP FULL_SHARD (simulated as ZeRO-2)", tokens, predicted, "tok/s",
-            f"not modelled: FSDP's parameter all-gathers (at most {100 * gathers / res.step_s:.0f}% more step time "
-            f"if none overlapped), elementwise optimizer and loss work beyond Adam, kernel launch gaps, data "
-            f"loading; with every gather exposed the prediction would still be {100 * left:.0f}% high" if abs(predicted / tokens - 1) > TARGET else "")
+            f"checkpointing, bf16, FSDP FULL_SHARD (ZeRO-3)", tokens, predicted, "tok/s", EAGER if abs(predicted / tokens - 1) > TARGET else "")
+    out += new_rows()
+    return out
+
+
+# ---- rows added with simulator v2 (issue 22): none of these sources gave the simulator a number ----
+LLMC = "karpathy/llm.c scripts/run_gpt2_*.sh (commit f1e2ace6)"
+TITAN = "pytorch/torchtitan docs/performance.md (commit 1ea476e9), 64x A100 80GB"
+FOUNDRY_H100 = "mosaicml/llm-foundry benchmarking README (commit 061f2c7c), H100 80GB"
+
+
+def _decoder(name: str, layers: int, d: int, heads: int, kv: int, ffn: int, kind: str, vocab: int, seq: int,
+             micro_batch: int, source: str, norm: str = "layernorm", rope: bool = False, tied: bool = False) -> ModelSpec:
+    return ModelSpec(name=name, layers=layers, hidden=d, heads=heads, kv_heads=kv, ffn=ffn, ffn_kind=kind, norm=norm,
+                     norm_placement="pre", dropout=0.0, vocab=vocab, seq=seq, micro_batch=micro_batch, dtype_bytes=2,
+                     flash=True, source=source, rope=rope, tied_embeddings=tied, causal=True)
+
+
+def _tokens_per_gpu_s(spec: ModelSpec, job: Job, node, planner: str) -> float:
+    res = simulate_job(job, node, float("inf"), planner)
+    return spec.micro_batch * job.micro_batches * spec.seq / res.step_s
+
+
+def new_rows() -> list[dict]:
+    """Measured runs none of the presets' curves came from: llm-foundry at other sizes, sequence
+    lengths and with recompute, and on H100; llm.c's GPT-2 runs; torchtitan's FSDP runs on 8 nodes."""
+    a100, h100 = load_node("dgx-a100"), load_node("dgx-h100")
+    out = []
+
+    def row(source, what, config, measured, predicted, unit, note=""):
+        ratio = predicted / measured
+        out.append({"source": source, "what": what, "config": config, "measured": measured, "predicted": predicted,
+                    "unit": unit, "ratio": ratio, "within_target": abs(ratio - 1) <= TARGET, "note": note})
+
+    # llm-foundry, FSDP FULL_SHARD = ZeRO-3 over the 8 GPUs of one node; the "ActCkpt" rows recompute every layer
+    mpt = [  # name, d, heads, layers, seq, micro-batch, grad accum, recompute, tok/s/GPU, node
+        ("MPT-760M", 1536, 12, 24, 2048, 24, 2, False, 32434, a100),
+        ("MPT-3B", 2560, 20, 32, 2048, 10, 2, False, 10811, a100),
+        ("MPT-13B", 5120, 40, 40, 2048, 2, 3, False, 2262, a100),
+        ("MPT-7B, seq 4096, recompute", 4096, 32, 32, 4096, 16, 2, True, 3684, a100),
+        ("MPT-30B, recompute", 7168, 56, 48, 2048, 3, 21, True, 916, a100),
+        ("MPT-7B on H100", 4096, 32, 32, 2048, 6, 1, False, 10643, h100),
+        ("MPT-1B on H100", 2048, 16, 24, 2048, 14, 1, False, 45455, h100),
+    ]
+    for name, d, a, layers, seq, mb, ga, ckpt, tokens, node in mpt:
+        spec = dataclasses.replace(_mpt(name, d, a, layers, mb), seq=seq, causal=True)
+        job = Job(spec, dp=8, micro_batches=ga, zero=3)
+        predicted = _tokens_per_gpu_s(spec, job, node, "full-recompute" if ckpt else "keep-all")
+        gpu = "A100 80GB" if node is a100 else "H100 80GB"
+        row(FOUNDRY if node is a100 else FOUNDRY_H100, f"{name}: tokens/s per GPU",
+            f"8x {gpu}, seq {seq}, micro-batch {mb}, grad accum {ga}, FSDP FULL_SHARD (ZeRO-3), "
+            f"{'every layer recomputed' if ckpt else 'no checkpointing'}, bf16", tokens, predicted, "tok/s",
+            EAGER + ("; " + SUSTAINED if node is h100 else ""))
+
+    # llm.c: GPT-2 (vocab padded to 50304, tied, no dropout), cuDNN flash attention (causal), ZeRO-1, no recompute
+    gpt2 = [("GPT-2 124M", 12, 768, 12, 64, 1, a100, 0.300), ("GPT-2 350M", 24, 1024, 16, 64, 1, a100, 0.820),
+            ("GPT-2 1558M", 48, 1600, 25, 16, 8, h100, 2.80)]
+    for name, layers, d, a, mb, ga, node, step_s in gpt2:
+        spec = _decoder(name, layers, d, a, a, 4 * d, "gelu", 50304, 1024, mb, LLMC, tied=True)
+        res = simulate_job(Job(spec, dp=8, micro_batches=ga, zero=1), node, float("inf"), "keep-all")
+        gpu = "A100 80GB SXM" if node is a100 else "H100 80GB SXM"
+        row(LLMC, f"{name}: step time", f"8x {gpu}, seq 1024, micro-batch {mb}, grad accum {ga}, ZeRO-1, "
+            f"no recompute, bf16 (the script's comment: '~{step_s}s/iter')", step_s, res.step_s, "s",
+            SUSTAINED if node is h100 else "")
+
+    # torchtitan: FSDP2 over 64 GPUs (8 nodes; interconnect not stated: the dgx-a100 preset's 8 HDR NICs assumed),
+    # SDPA flash attention (causal), no gradient accumulation
+    titan = [  # name, layers, d, heads, kv, ffn, vocab, seq, micro-batch, recompute, tok/s/GPU
+        ("Llama 2 13B", 40, 5120, 40, 40, 13824, 32000, 4096, 2, False, 2162),
+        ("Llama 2 70B, full recompute", 80, 8192, 64, 8, 28672, 32000, 4096, 2, True, 353),
+        ("Llama 3 70B, full recompute", 80, 8192, 64, 8, 28672, 128256, 8192, 1, True, 331),
+    ]
+    for name, layers, d, a, kv, ffn, vocab, seq, mb, ckpt, tokens in titan:
+        spec = _decoder(name, layers, d, a, kv, ffn, "swiglu", vocab, seq, mb, TITAN, norm="rmsnorm", rope=True)
+        job = Job(spec, dp=64, zero=3)
+        predicted = _tokens_per_gpu_s(spec, job, a100, "full-recompute" if ckpt else "keep-all")
+        row(TITAN, f"{name}: tokens/s per GPU", f"64x A100 80GB (8 nodes), seq {seq}, micro-batch {mb}, FSDP2 "
+            f"(ZeRO-3) over 64, {'every layer recomputed' if ckpt else 'no checkpointing'}, bf16, no compile",
+            tokens, predicted, "tok/s", EAGER + "; the cluster's network is not stated")
     return out
 
 
@@ -137,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{src:<44} {r['what']:<42} {r['measured']:>10.4g} {r['predicted']:>10.4g} {r['ratio']:>6.3f}  "
               f"{'yes' if r['within_target'] else 'NO'}")
     missed = [r for r in table if not r["within_target"]]
-    print(f"\n{len(table) - len(missed)} of {len(table)} rows within +-{TARGET:.0%}. Misses:")
+    within_10 = sum(abs(r["ratio"] - 1) <= 0.10 for r in table)
+    print(f"\n{len(table) - len(missed)} of {len(table)} rows within +-{TARGET:.0%}, {within_10} within +-10%. Misses:")
     for r in missed:
         print(f"  {r['what']} ({r['config']}): {r['ratio']:.3f}; {r['note']}")
     if args.json:

@@ -25,8 +25,11 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
   to the device. Stage-to-stage sends carry one micro-batch's boundary activation (1/tp of it per
   rank, Megatron's scatter-gather) at the same link's rate.
 
-Not modelled: the interleaved 1F1B schedule (Megatron's virtual stages: a smaller bubble), ZeRO
-stage 3 / FSDP parameter gathers, and plans that know
+* ZeRO-3 (FSDP FULL_SHARD): every micro-batch gathers each region's parameters before it runs, in
+  forward and again in backward, and reduce-scatters its gradients (`sharded`); no gradient
+  reduction after the pipeline.
+
+Not modelled: the interleaved 1F1B schedule (Megatron's virtual stages: a smaller bubble), and plans that know
 a stage's finished forwards are held k-1 times (the per-micro-batch planners never drop tensors of
 the region that runs last, which 1F1B still holds).
 
@@ -40,7 +43,9 @@ import functools
 
 from dataclasses import dataclass, field
 
+from . import sharded
 from .budget import budget_bytes
+from .deepspeed_pipe import simulate_deepspeed_pipeline
 from .errors import ProfileError, SlackSwapError
 from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule
@@ -53,6 +58,7 @@ ADAM_BYTES_PER_PARAM = 30  # fused Adam reads fp32 master, grad, m, v (16 B), wr
 CPU_ADAM_BYTES_PER_PARAM = 28  # the same on the host, without the 16-bit copy
 GRAD_BYTES = 2  # gradients reduced and offloaded in 16 bits (DeepSpeed's communication_data_type for bf16/fp16)
 PINNED_OPTIMIZER_BYTES_PER_PARAM = 16  # ZeRO-Offload keeps fp32 master, m, v and gradient in pinned host memory
+SCHEDULES = ("1f1b", "deepspeed")  # Megatron's 1F1B; DeepSpeed's PipelineEngine TrainSchedule
 MAX_JOB_DIM = 4096  # pp, dp and micro-batches a job may have here (published runs use at most a few hundred)
 
 
@@ -65,9 +71,10 @@ class Job:
     pp: int = 1
     dp: int = 1
     micro_batches: int = 1  # per step and pipeline (gradient accumulation)
-    zero: int = 0  # DeepSpeed ZeRO stage 0-2 (3 shards parameters: not modelled)
+    zero: int = 0  # DeepSpeed ZeRO stage 0-3 (3: parameters sharded and gathered per micro-batch, `sharded`)
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state and step on the CPU
     overlap_grad_comm: bool = False  # reduce each layer's gradients while backward goes on (DeepSpeed overlap_comm)
+    schedule: str = "1f1b"  # "1f1b": Megatron's; "deepspeed": DeepSpeed's PipelineEngine (`deepspeed_pipe`)
 
     def __post_init__(self) -> None:
         problems = []
@@ -78,10 +85,15 @@ class Job:
             elif v > MAX_JOB_DIM:
                 problems.append(f"{f} {v} is over the simulator's limit of {MAX_JOB_DIM} (a step's schedule grows "
                                 f"with it; published runs use at most a few hundred)")
-        if self.zero not in (0, 1, 2) or isinstance(self.zero, bool):
-            problems.append(f"zero must be 0, 1 or 2 (stage 3 shards parameters, which is not modelled), got {self.zero!r}")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            problems.append(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        elif self.zero == 3 and self.pp > 1:
+            problems.append("zero 3 shards the parameters of a pipeline stage, which DeepSpeed refuses "
+                            "(ZeRO-3 is incompatible with pipeline parallelism): give pp 1")
         if self.offload_optimizer and self.zero == 0:
             problems.append("offload_optimizer (ZeRO-Offload) needs zero >= 1")
+        if self.schedule not in SCHEDULES:
+            problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         if not problems and self.spec.layers % self.pp:
             problems.append(f"layers ({self.spec.layers}) must be divisible by pp ({self.pp})")
         if problems:
@@ -320,19 +332,30 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     holds = job.in_flight(0) if one_plan else None
     stages = tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware, holds=holds)
                    for i in range(job.pp))
-    # point-to-point: one micro-batch's boundary activation, this rank's part (1/tp with the
-    # scatter-gather optimisation, Narayanan et al. 4.1), over this GPU's own network link
-    boundary = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes / job.par.tp
+    # point-to-point: one micro-batch's boundary activation, this rank's part (Megatron: 1/tp with
+    # the scatter-gather optimisation, Narayanan et al. 4.1; DeepSpeed sends it whole), over this
+    # GPU's own network link
+    deepspeed = job.schedule == "deepspeed"
+    boundary = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes
+    boundary /= 1 if deepspeed else job.par.tp
     one_node = job.gpus <= node.gpus  # then every collective and send stays on the NVLink board
     link_bps = hw.allreduce_busbw.at(boundary) if one_node and hw.allreduce_busbw else node.internode_busbw
     p2p_s = boundary / link_bps if job.pp > 1 else 0.0
-    events = simulate_pipeline([s.fwd_s for s in stages], [s.bwd_s for s in stages], job.micro_batches, p2p_s)
+    fwd_s, bwd_s = [s.fwd_s for s in stages], [s.bwd_s for s in stages]
+    if job.zero == 3:  # each micro-batch gathers its parameters and reduce-scatters its gradients itself
+        times = [_sharded_times(job, hw, node, st, one_node) for st in stages]
+        fwd_s, bwd_s = [t.fwd_s for t in times], [t.bwd_s for t in times]
+    if deepspeed:
+        events = tuple(PipeEvent(*e) for e in simulate_deepspeed_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s))
+    else:
+        events = simulate_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s)
     pipeline_s = max(e.end for e in events)
     peaks = tuple(stage_peaks(events, [s.kept_bytes for s in stages], [s.result.peak_bytes for s in stages]))
     finish = [max(e.end for e in events if e.stage == i) for i in range(job.pp)]
-    if job.dp > 1:
+    if job.dp > 1 and job.zero < 3:
         finish = [_reduce_gradients(job, hw, node, st, events, one_node) for st in stages]
     grad_comm_s = max(finish) - pipeline_s  # what gradient reduction adds after the pipeline drains
+    grad_comm_s += tied_reduce_s(job, hw, node, one_node) if deepspeed else 0.0
     params = max(job.stage_params(i) for i in range(job.pp))  # the slowest stage sets the pace
     owned = params // job.dp if job.zero >= 1 else params  # parameters whose optimizer state this rank holds
     if job.offload_optimizer:
@@ -366,12 +389,46 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
     return max(last.end, t)
 
 
-def _all_reduce_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool) -> float:
-    """An all-reduce over NVLink (the board's measured curve) when the job fits on one node, else
-    over each GPU's own network link (nccl-tests' 2(n-1)/n of the buffer at its bus bandwidth)."""
+def tied_reduce_s(job: Job, hw, node: Node, one_node: bool) -> float:
+    """DeepSpeed's ``ReduceTiedGrads`` before the data-parallel reduction: the first and the last
+    stage all-reduce the gradients of the embedding table they share (16-bit, this rank's 1/tp)."""
+    if job.pp == 1 or not job.spec.tied_embeddings:
+        return 0.0
+    nbytes = -(-job.spec.vocab // job.par.tp) * job.spec.hidden * GRAD_BYTES
+    return _all_reduce_s(hw, node, nbytes, 2, one_node)
+
+
+def _all_reduce_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool, kind: str = "all_reduce") -> float:
+    """An all-reduce (or all-gather / reduce-scatter of the whole buffer) over NVLink (the board's
+    measured curve) when the job fits on one node, else over each GPU's own network link (nccl-tests'
+    2(n-1)/n, or (n-1)/n, of the buffer at its bus bandwidth)."""
     if one_node and hw.allreduce_busbw is not None:
-        return hw.collective_s("all_reduce", nbytes, ranks)
-    return nbytes * 2 * (ranks - 1) / ranks / node.internode_busbw
+        return hw.collective_s(kind, nbytes, ranks)
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return nbytes * factor * (ranks - 1) / ranks / node.internode_busbw
+
+
+def _sharded_times(job: Job, hw, node: Node, st: StagePlan, one_node: bool) -> sharded.ShardedTimes:
+    """One micro-batch of stage `st` under ZeRO-3: its regions' simulated compute (recompute and
+    stalls spread over the regions by their op times) with the gathers and reduce-scatters of
+    `sharded`, over the dp ranks."""
+    fwd, bwd = {}, {}
+    for o in st.profile.ops:
+        fwd[o.region] = fwd.get(o.region, 0.0) + o.fwd_s
+        bwd[o.region] = bwd.get(o.region, 0.0) + o.bwd_s
+    f_scale = st.fwd_s / sum(fwd.values()) if sum(fwd.values()) > 0 else 0.0
+    b_scale = st.bwd_s / sum(bwd.values()) if sum(bwd.values()) > 0 else 0.0
+    gathers = sharded.gather_bytes(job.region_params(st.stage))
+    order = sorted(fwd, key=lambda r: st.profile.region_last_op[r])
+
+    def collective(kind: str, nbytes: int) -> float:
+        return _all_reduce_s(hw, node, nbytes, job.dp, one_node, kind) if job.dp > 1 else 0.0
+
+    regions = [sharded.RegionWork(r, fwd[r] * f_scale, bwd[r] * b_scale, collective("all_gather", gathers.get(r, 0)),
+                                  collective("reduce_scatter", gathers.get(r, 0) // sharded.GATHER_BYTES_PER_PARAM
+                                             * sharded.REDUCE_BYTES_PER_PARAM))
+               for r in order]
+    return sharded.micro_batch_times(regions)
 
 
 def ideal_step_s(job: Job, node: Node, share: Share | None = None) -> float:

@@ -122,7 +122,9 @@ def test_bad_jobs_are_refused_with_every_reason():
     with pytest.raises(ProfileError) as e:
         Job(SMALL, pp=3, zero=3, dp=0)
     msg = str(e.value)
-    assert "dp must be a positive integer" in msg and "zero must be 0, 1 or 2" in msg
+    assert "dp must be a positive integer" in msg and "ZeRO-3 is incompatible with pipeline parallelism" in msg
+    with pytest.raises(ProfileError, match="zero must be 0, 1, 2 or 3.*schedule must be one of"):
+        Job(SMALL, zero=4, schedule="gpipe")
     with pytest.raises(ProfileError, match=r"layers \(8\) must be divisible by pp \(3\)"):
         Job(SMALL, pp=3)
     with pytest.raises(ProfileError, match="needs zero >= 1"):

@@ -123,8 +123,8 @@ def test_a100_values_match_the_reference():
 def test_unknown_names_list_the_valid_choices():
     with pytest.raises(UnknownNameError, match="valid choices: a100-40g-pcie4, a100-80g-pcie4"):
         load_hardware("a100")
-    with pytest.raises(UnknownNameError, match="valid choices: dgx-a100"):
-        load_node("dgx-h100")
+    with pytest.raises(UnknownNameError, match="valid choices: dgx-a100, dgx-h100"):
+        load_node("dgx-b200")
 
 
 def test_kind_mismatch_is_explained():

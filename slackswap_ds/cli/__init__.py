@@ -190,8 +190,8 @@ DEFAULT_JOB_NODE = "dgx-a100"
 
 
 def _is_job(args: argparse.Namespace) -> bool:
-    return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm) != \
-        (1, 1, 0, 1, False, False)
+    return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm,
+            args.schedule) != (1, 1, 0, 1, False, False, "1f1b")
 
 
 def cmd_simulate_job(args: argparse.Namespace) -> int:
@@ -212,7 +212,7 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
     rows, out = [], sys.stdout
     for wl in _workloads(args, ("llama-70b",)):
         job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
-                  args.overlap_comm)
+                  args.overlap_comm, args.schedule)
         ideal = ideal_step_s(job, node)
         for budget in budgets:
             if not budget.is_fraction:
@@ -317,7 +317,11 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=_positive_int, default=1, metavar="P",
                    help="pipeline stages (1F1B); with --pp/--dp/--zero, simulate a whole job on --node")
     p.add_argument("--dp", type=_positive_int, default=1, metavar="D", help="data-parallel replicas (default 1)")
-    p.add_argument("--zero", type=int, choices=(0, 1, 2), default=0, help="DeepSpeed ZeRO stage (default 0)")
+    p.add_argument("--zero", type=int, choices=(0, 1, 2, 3), default=0,
+                   help="DeepSpeed ZeRO stage (default 0; 3: parameters gathered per micro-batch, FSDP FULL_SHARD)")
+    p.add_argument("--schedule", choices=("1f1b", "deepspeed"), default="1f1b",
+                   help="pipeline schedule: Megatron's 1F1B (default) or DeepSpeed's PipelineEngine (lockstep, "
+                        "blocking full-activation sends, tied-embedding reduce)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",
                    help="micro-batches per step and pipeline (gradient accumulation; default 1)")
     p.add_argument("--offload-optimizer", action="store_true",

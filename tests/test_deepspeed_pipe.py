@@ -1,0 +1,54 @@
+"""DeepSpeed's pipeline schedule: the order of DeepSpeed's own TrainSchedule, lockstep event times
+worked by hand, and what a whole job adds (full-activation sends, the tied-embedding reduce)."""
+
+from __future__ import annotations
+
+import pytest
+
+from slackswap_ds.deepspeed_pipe import simulate_deepspeed_pipeline, train_schedule
+from slackswap_ds.hardware import load_node
+from slackswap_ds.pipeline import Job, simulate_job, simulate_pipeline, tied_reduce_s
+from slackswap_ds.workloads import preset_spec
+
+
+@pytest.mark.parametrize("stages, micro_batches", [(2, 2), (3, 5), (4, 8), (5, 3)])
+def test_the_order_is_deepspeeds_train_schedule(stages, micro_batches):
+    from deepspeed.runtime.pipe import schedule as ds
+
+    for stage in range(stages):
+        theirs = []
+        for cmds in ds.TrainSchedule(micro_batches, stages, stage).steps():
+            work = [c for c in cmds if isinstance(c, (ds.ForwardPass, ds.BackwardPass))]
+            theirs.append(None if not work else ("F" if isinstance(work[0], ds.ForwardPass) else "B"))
+        mine = [None if w is None else w[0] for w in train_schedule(stages, micro_batches, stage)]
+        assert mine == theirs
+        # every micro-batch once each way, forwards in order
+        done = [w for w in train_schedule(stages, micro_batches, stage) if w]
+        assert sorted(done) == sorted([("F", j) for j in range(micro_batches)] + [("B", j) for j in range(micro_batches)])
+
+
+def test_a_two_stage_step_on_a_toy_board_has_the_hand_computed_event_times():
+    # forward 1 s, backward 2 s, one transfer 0.5 s; 2 stages, 2 micro-batches: 6 lockstep steps.
+    # step 1: stage 0 sends activation 0 (meets stage 1 at 1.0) -> 1.5; stage 1 F0 1.5-2.5
+    # step 2: stage 0 F1 1.5-2.5 (no neighbour before it); stage 1 B0 2.5-4.5
+    # step 3: the pair meets at 4.5 (stage 1 busy), activation 1 and gradient 0: 5.5; B0 on 0, F1 on 1
+    # step 4: stage 1 B1 6.5-8.5; step 5: gradient 1 at max(7.5, 8.5) + 0.5 = 9.0, B1 on stage 0 -> 11
+    events = [(e[0], e[1], e[2], e[3], e[4]) for e in simulate_deepspeed_pipeline([1.0, 1.0], [2.0, 2.0], 2, 0.5)]
+    assert sorted(events) == sorted([
+        (0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.5, 2.5), (0, "B", 0, 5.5, 7.5), (0, "B", 1, 9.0, 11.0),
+        (1, "F", 0, 1.5, 2.5), (1, "B", 0, 2.5, 4.5), (1, "F", 1, 5.5, 6.5), (1, "B", 1, 6.5, 8.5),
+    ])
+    # Megatron's 1F1B on the same board: sends overlap, stages do not wait for each other's steps
+    assert max(e.end for e in simulate_pipeline([1.0, 1.0], [2.0, 2.0], 2, 0.5)) == 10.0
+
+
+def test_a_deepspeed_pipeline_job_sends_whole_activations_and_reduces_the_tied_embedding():
+    node = load_node("dgx-a100")
+    spec = preset_spec("gpt2-xl", layers=4, micro_batch=2, seq=256)
+    megatron = simulate_job(Job(spec, pp=2, micro_batches=4), node, float("inf"), "keep-all")
+    deepspeed = simulate_job(Job(spec, pp=2, micro_batches=4, schedule="deepspeed"), node, float("inf"), "keep-all")
+    assert deepspeed.pipeline_s > megatron.pipeline_s  # lockstep: never ahead of 1F1B
+    tied = tied_reduce_s(Job(spec, pp=2, schedule="deepspeed"), node.gpu, node, True)
+    assert tied == pytest.approx(node.gpu.collective_s("all_reduce", spec.vocab * spec.hidden * 2, 2))
+    assert deepspeed.grad_comm_s == pytest.approx(tied)  # dp 1: the tied reduce is all there is
+    assert tied_reduce_s(Job(spec, pp=1), node.gpu, node, True) == 0.0
