@@ -198,7 +198,40 @@ def new_rows() -> list[dict]:
         row(TITAN, f"{name}: tokens/s per GPU", f"64x A100 80GB (8 nodes), seq {seq}, micro-batch {mb}, FSDP2 "
             f"(ZeRO-3) over 64, {'every layer recomputed' if ckpt else 'no checkpointing'}, bf16, no compile",
             tokens, predicted, "tok/s", EAGER + "; the cluster's network is not stated")
+    pipeline_rows(row)
     return out
+
+
+BLOOM = "bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 9e64edec)"
+MTNLG = "Smith et al. 2022, MT-NLG 530B (arXiv 2201.11990) / NVIDIA-Microsoft blog, 2021-10"
+
+
+def pipeline_rows(row) -> None:
+    """DeepSpeed PipelineEngine jobs on hundreds of A100s: BLOOM-176B (Megatron-DeepSpeed, an uneven
+    split) and MT-NLG 530B (DeepSpeed + Megatron), each with every layer recomputed."""
+    a100 = load_node("dgx-a100")
+    # Jean Zay's A100 nodes: 4 Omni-Path 100 Gb/s links per 8 GPUs (the BLOOM paper); no measured bus
+    # bandwidth: the line rate per GPU, 4 x 12.5 GB/s / 8, assumed
+    jean_zay = dataclasses.replace(a100, name="jean-zay-a100", internode_busbw=4 * 12.5e9 / 8)
+    bloom = ModelSpec(name="bloom-176b", layers=70, hidden=14336, heads=112, kv_heads=112, ffn=4 * 14336,
+                      ffn_kind="gelu", norm="layernorm", norm_placement="pre", dropout=0.0, vocab=250880, seq=2048,
+                      micro_batch=2, dtype_bytes=2, flash=False, source=BLOOM, tied_embeddings=True, causal=True)
+    # 'type:transformer|embedding' partitioning: the embedding counts as a layer on the first and last stage
+    job = Job(bloom, Parallel(4), pp=12, dp=8, micro_batches=128, zero=1, schedule="deepspeed",
+              stage_layer_counts=(5,) + (6,) * 10 + (5,))
+    res = simulate_job(job, jean_zay, float("inf"), "full-recompute")
+    row(BLOOM, "BLOOM-176B: iteration", "384x A100 80GB (48 nodes, 4 Omni-Path links each), TP 4, PP 12 (5, 6 x 10, 5 "
+        "layers), DP 8, DeepSpeed PipelineEngine, micro-batch 2, 128 micro-batches, every layer recomputed, bf16, "
+        "fused softmax (no flash)", 104.70, res.step_s, "s",
+        "Omni-Path bus bandwidth not measured: the line rate is assumed")
+    mtnlg = ModelSpec(name="mt-nlg-530b", layers=105, hidden=20480, heads=128, kv_heads=128, ffn=4 * 20480,
+                      ffn_kind="gelu", norm="layernorm", norm_placement="pre", dropout=0.0, vocab=51200, seq=2048,
+                      micro_batch=1, dtype_bytes=2, flash=False, source=MTNLG, tied_embeddings=True, causal=True)
+    job = Job(mtnlg, Parallel(8), pp=35, dp=8, micro_batches=1920 // 8, zero=1, schedule="deepspeed")
+    res = simulate_job(job, a100, float("inf"), "full-recompute")
+    row(MTNLG, "MT-NLG 530B: iteration", "2240x A100 80GB (280 DGX A100, Selene), TP 8, PP 35, DP 8, DeepSpeed "
+        "pipeline, global batch 1920, micro-batch 1 and full recompute assumed (not stated), bf16", 60.1, res.step_s,
+        "s", "micro-batch size and recompute not stated by the source: 1 and every layer assumed")
 
 
 def main(argv: list[str] | None = None) -> int:

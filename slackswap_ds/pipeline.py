@@ -3,8 +3,8 @@ ZeRO stage, the optimizer step, and a SlackSwap plan per stage.
 
 What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed ZeRO):
 
-* `Job`: a model cut `tp` ways (with `sp`), into `pp` stages of equal layer counts (the first also
-  holds the embedding, the last the head), replicated `dp` ways; `micro_batches` per step and
+* `Job`: a model cut `tp` ways (with `sp`), into `pp` stages of equal layer counts or of the counts
+  given (the first also holds the embedding, the last the head), replicated `dp` ways; `micro_batches` per step and
   pipeline. One rank's share of a stage is `stage_profile` (one micro-batch's forward and backward).
 * 1F1B (non-interleaved): stage i runs min(p-i-1, m) warm-up forwards, then alternates one forward
   and one backward, then drains its backwards. F(i, j) waits for F(i-1, j) and the activation's
@@ -75,6 +75,7 @@ class Job:
     offload_optimizer: bool = False  # ZeRO-Offload: optimizer state and step on the CPU
     overlap_grad_comm: bool = False  # reduce each layer's gradients while backward goes on (DeepSpeed overlap_comm)
     schedule: str = "1f1b"  # "1f1b": Megatron's; "deepspeed": DeepSpeed's PipelineEngine (`deepspeed_pipe`)
+    stage_layer_counts: tuple[int, ...] = ()  # layers per stage, first to last; (): layers / pp each
 
     def __post_init__(self) -> None:
         problems = []
@@ -94,8 +95,17 @@ class Job:
             problems.append("offload_optimizer (ZeRO-Offload) needs zero >= 1")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
-        if not problems and self.spec.layers % self.pp:
-            problems.append(f"layers ({self.spec.layers}) must be divisible by pp ({self.pp})")
+        counts = self.stage_layer_counts
+        if counts:
+            if (not isinstance(counts, tuple) or len(counts) != self.pp
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)):
+                problems.append(f"stage_layer_counts must be {self.pp} positive integers (one per stage), got {counts!r}")
+            elif sum(counts) != self.spec.layers:
+                problems.append(f"stage_layer_counts {list(counts)} add up to {sum(counts)}, not the model's "
+                                f"{self.spec.layers} layers")
+        elif not problems and self.spec.layers % self.pp:
+            problems.append(f"layers ({self.spec.layers}) must be divisible by pp ({self.pp}), or give "
+                            f"stage_layer_counts (an uneven split, e.g. fewer layers beside the embedding and head)")
         if problems:
             raise ProfileError(f"invalid job for {self.spec.name!r}: " + "; ".join(problems))
 
@@ -104,8 +114,9 @@ class Job:
         return self.par.tp * self.pp * self.dp
 
     def stage_layers(self, stage: int) -> range:
-        per = self.spec.layers // self.pp
-        return range(stage * per, (stage + 1) * per)
+        counts = self.stage_layer_counts or (self.spec.layers // self.pp,) * self.pp
+        first = sum(counts[:stage])
+        return range(first, first + counts[stage])
 
     def in_flight(self, stage: int) -> int:
         """Micro-batches stage `stage` holds at its peak under 1F1B."""

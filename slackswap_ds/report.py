@@ -283,9 +283,10 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
         (" with optimizer offload" if job.offload_optimizer else "") + \
         (", gradients reduced during backward" if job.overlap_grad_comm else "")
     lines = [f"{spec.name} on {node_name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
-             f"{spec.micro_batch} x {spec.seq} per step and pipeline, 1F1B",
+             f"{spec.micro_batch} x {spec.seq} per step and pipeline, "
+             f"{'DeepSpeed PipelineEngine schedule' if job.schedule == 'deepspeed' else '1F1B'}",
              f"  ideal step {ideal:.3f} s (every activation kept); budget {budget} of each stage's keep-all peak",
-             f"  {'planner':<20}{'thru %':>8}{'step s':>9}{'1F1B s':>9}{'grads s':>9}{'optim s':>9}"
+             f"  {'planner':<20}{'thru %':>8}{'step s':>9}{'pipe s':>9}{'grads s':>9}{'optim s':>9}"
              f"{'worst peak/budget':>19}"]
     for planner, res, err in results:
         if res is None:

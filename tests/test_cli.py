@@ -463,3 +463,20 @@ def test_plan_from_a_jobs_plan_file_says_what_it_cannot_do(tmp_path, capsys):
     (entry,) = planfile.read(out)
     assert entry.made_for == dataclasses.replace(made_for, planner="full-recompute") and entry.profile == profile
     assert entry.plan.keys(Decision.RECOMPUTE) and '"planner": "full-recompute"' in capsys.readouterr().out
+
+
+def test_attention_chooses_the_attention_implementation_of_a_model_or_a_preset(capsys):
+    """--attention flash: one fused kernel (no s x s tensors saved, the causal blocks skipped);
+    eager: the materialised scores of HF's eager path. For --model and for presets alike."""
+    def keep_all_bytes(*argv):
+        rows = run_json(capsys, *argv, "--seq", "256", "--micro-batch", "1", "--layers", "2", "--budget", "0.9",
+                        "--planner", "slackswap")
+        return rows[0]["budget_bytes"], rows[0]["ideal_s"]  # (the budget: 90% of the keep-all peak)
+
+    model = ("--model", f"{HF}/gpt2-xl.json")
+    default, eager, flash = (keep_all_bytes(*model), keep_all_bytes(*model, "--attention", "eager"),
+                             keep_all_bytes(*model, "--attention", "flash"))
+    assert default == eager  # GPT-2's family default: HF's eager attention
+    assert flash[0] < eager[0] and flash[1] < eager[1]
+    assert keep_all_bytes("-w", "gpt2-xl", "--attention", "flash") == flash  # the preset is the same model
+    assert keep_all_bytes("-w", "llama-7b", "--attention", "eager")[0] > keep_all_bytes("-w", "llama-7b")[0]

@@ -229,3 +229,20 @@ def test_stage_peaks_count_the_micro_batches_held_as_their_definition_does():
         events = simulate_pipeline(fwd, [f * rng.choice([1, 2, 3]) for f in fwd], m, rng.choice([0.0, 0.1, 1.0]))
         kept, peak = [rng.randint(0, 99) for _ in range(p)], [rng.randint(0, 99) for _ in range(p)]
         assert stage_peaks(events, kept, peak) == by_definition(events, kept, peak), (p, m)
+
+
+def test_an_uneven_split_gives_each_stage_its_own_layers():
+    spec = dataclasses.replace(SMALL, layers=7)
+    with pytest.raises(ProfileError, match="must be divisible by pp .3., or give stage_layer_counts"):
+        Job(spec, pp=3)
+    with pytest.raises(ProfileError, match="add up to 6, not the model's 7 layers"):
+        Job(spec, pp=3, stage_layer_counts=(2, 2, 2))
+    with pytest.raises(ProfileError, match="3 positive integers"):
+        Job(spec, pp=3, stage_layer_counts=(3, 4))
+    job = Job(spec, pp=3, micro_batches=4, stage_layer_counts=(2, 3, 2))  # fewer beside the embedding and head
+    assert [job.stage_layers(i) for i in range(3)] == [range(0, 2), range(2, 5), range(5, 7)]
+    res = simulate_job(job, NODE, float("inf"), "keep-all")
+    layer_ops = [sum(1 for o in st.profile.ops if o.region.startswith("layers.")) for st in res.stages]
+    assert layer_ops[1] == layer_ops[0] * 3 // 2 == layer_ops[2] * 3 // 2
+    # the middle stage, with the most layers, sets the pace: each of its forwards is the longest
+    assert max(res.stages, key=lambda st: st.fwd_s).stage == 1

@@ -81,12 +81,15 @@ def _load_target(hardware: str | None, node: str | None) -> Target:
     return Target(load_hardware(hardware or DEFAULT_HARDWARE), None)
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, int]:
-    out = {}
+def _overrides(args: argparse.Namespace) -> dict[str, int | bool]:
+    out: dict[str, int | bool] = {}
     for opt, name in (("seq", "seq"), ("micro_batch", "micro_batch"), ("layers", "layers")):
         v = getattr(args, opt, None)
         if v is not None:
             out[name] = v
+    attention = getattr(args, "attention", None)
+    if attention is not None:
+        out["flash"] = attention == "flash"
     return out
 
 
@@ -111,7 +114,8 @@ def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workloa
         if args.seq is None or args.micro_batch is None:
             raise SlackSwapError(f"--model {path}: give --seq and --micro-batch too (a config.json holds the "
                                  f"model, not the shape of its training batches)")
-        spec = spec_from_hf_config(path, seq=args.seq, micro_batch=args.micro_batch)
+        flash = None if args.attention is None else args.attention == "flash"
+        spec = spec_from_hf_config(path, seq=args.seq, micro_batch=args.micro_batch, flash=flash)
         if args.layers is not None:
             spec = dataclasses.replace(spec, layers=args.layers)
         out.append(Workload(spec.name, spec, False, False))
@@ -189,9 +193,19 @@ JOB_PLANNERS = ("slackswap", "full-recompute", "megatron-selective", "offload-al
 DEFAULT_JOB_NODE = "dgx-a100"
 
 
+def _layer_counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated layer counts such as 5,6,6,5, got {text!r}")
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"every stage needs at least one layer, got {text!r}")
+    return counts
+
+
 def _is_job(args: argparse.Namespace) -> bool:
     return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm,
-            args.schedule) != (1, 1, 0, 1, False, False, "1f1b")
+            args.schedule, args.stage_layers) != (1, 1, 0, 1, False, False, "1f1b", ())
 
 
 def cmd_simulate_job(args: argparse.Namespace) -> int:
@@ -212,7 +226,7 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
     rows, out = [], sys.stdout
     for wl in _workloads(args, ("llama-70b",)):
         job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
-                  args.overlap_comm, args.schedule)
+                  args.overlap_comm, args.schedule, args.stage_layers)
         ideal = ideal_step_s(job, node)
         for budget in budgets:
             if not budget.is_fraction:
@@ -311,6 +325,10 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_positive_int, metavar="S", help="override the sequence length")
     p.add_argument("--micro-batch", type=_positive_int, metavar="M", help="override the micro-batch size")
     p.add_argument("--layers", type=_positive_int, metavar="L", help="override the number of layers")
+    p.add_argument("--attention", choices=("eager", "flash"),
+                   help="the attention implementation: 'eager' materialises the s x s scores (HF's eager path), "
+                        "'flash' is one fused kernel (FlashAttention, SDPA; causal models skip the masked blocks); "
+                        "default: the preset's, or by family for --model (flash for llama/mistral/qwen2/mixtral)")
     p.add_argument("--tp", type=_positive_int, default=1, metavar="T",
                    help="tensor-parallel degree: simulate one rank of a Megatron-style T-way cut (default 1)")
     p.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (Korthikanti et al.)")
@@ -322,6 +340,8 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", choices=("1f1b", "deepspeed"), default="1f1b",
                    help="pipeline schedule: Megatron's 1F1B (default) or DeepSpeed's PipelineEngine (lockstep, "
                         "blocking full-activation sends, tied-embedding reduce)")
+    p.add_argument("--stage-layers", type=_layer_counts, default=(), metavar="N,N,...",
+                   help="layers per pipeline stage, first to last (an uneven split; default: layers / pp each)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",
                    help="micro-batches per step and pipeline (gradient accumulation; default 1)")
     p.add_argument("--offload-optimizer", action="store_true",
