@@ -223,7 +223,8 @@ def pipeline_rows(row) -> None:
     row(BLOOM, "BLOOM-176B: iteration", "384x A100 80GB (48 nodes, 4 Omni-Path links each), TP 4, PP 12 (5, 6 x 10, 5 "
         "layers), DP 8, DeepSpeed PipelineEngine, micro-batch 2, 128 micro-batches, every layer recomputed, bf16, "
         "fused softmax (no flash)", 104.70, res.step_s, "s",
-        "Omni-Path bus bandwidth not measured: the line rate is assumed")
+        "the run's slurm script sets CUDA_LAUNCH_BLOCKING=1 ('do not remove or the training will hang'): every "
+        "kernel waits for its launch, framework time the cost model does not have; Omni-Path rate assumed")
     mtnlg = ModelSpec(name="mt-nlg-530b", layers=105, hidden=20480, heads=128, kv_heads=128, ffn=4 * 20480,
                       ffn_kind="gelu", norm="layernorm", norm_placement="pre", dropout=0.0, vocab=51200, seq=2048,
                       micro_batch=1, dtype_bytes=2, flash=False, source=MTNLG, tied_embeddings=True, causal=True)
