@@ -76,6 +76,7 @@ class Job:
     overlap_grad_comm: bool = False  # reduce each layer's gradients while backward goes on (DeepSpeed overlap_comm)
     schedule: str = "1f1b"  # "1f1b": Megatron's; "deepspeed": DeepSpeed's PipelineEngine (`deepspeed_pipe`)
     stage_layer_counts: tuple[int, ...] = ()  # layers per stage, first to last; (): layers / pp each
+    partition_activations: bool = False  # DeepSpeed: recomputed layers' saved inputs split over tp, gathered again
 
     def __post_init__(self) -> None:
         problems = []
@@ -93,6 +94,9 @@ class Job:
                             "(ZeRO-3 is incompatible with pipeline parallelism): give pp 1")
         if self.offload_optimizer and self.zero == 0:
             problems.append("offload_optimizer (ZeRO-Offload) needs zero >= 1")
+        if self.partition_activations and self.schedule != "deepspeed":
+            problems.append("partition_activations is DeepSpeed's activation checkpointing: it needs schedule "
+                            "'deepspeed'")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         counts = self.stage_layer_counts
@@ -353,6 +357,8 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     link_bps = hw.allreduce_busbw.at(boundary) if one_node and hw.allreduce_busbw else node.internode_busbw
     p2p_s = boundary / link_bps if job.pp > 1 else 0.0
     fwd_s, bwd_s = [s.fwd_s for s in stages], [s.bwd_s for s in stages]
+    if job.partition_activations:  # each recomputed region first gathers its input's tp shards again
+        bwd_s = [b + partitioned_gathers_s(job, hw, st) for b, st in zip(bwd_s, stages)]
     if job.zero == 3:  # each micro-batch gathers its parameters and reduce-scatters its gradients itself
         times = [_sharded_times(job, hw, node, st, one_node) for st in stages]
         fwd_s, bwd_s = [t.fwd_s for t in times], [t.bwd_s for t in times]
@@ -398,6 +404,18 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
         if nbytes:
             t = max(t, done if job.overlap_grad_comm else last.end) + _all_reduce_s(hw, node, nbytes, job.dp, one_node)
     return max(last.end, t)
+
+
+def partitioned_gathers_s(job: Job, hw, st: StagePlan) -> float:
+    """DeepSpeed's ``partition_activations``: a checkpointed region keeps 1/tp of its input on each
+    tensor-parallel rank and all-gathers it before the region is recomputed (once per micro-batch's
+    backward, on the compute stream: the recompute waits for it)."""
+    if job.par.tp == 1:
+        return 0.0
+    recomputed = {st.profile.region_of(a) for a in st.profile.activations
+                  if st.plan.decision[a.key] is Decision.RECOMPUTE}
+    nbytes = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes
+    return len(recomputed) * hw.collective_s("all_gather", nbytes, job.par.tp)
 
 
 def tied_reduce_s(job: Job, hw, node: Node, one_node: bool) -> float:

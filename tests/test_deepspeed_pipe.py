@@ -3,11 +3,14 @@ worked by hand, and what a whole job adds (full-activation sends, the tied-embed
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from slackswap_ds.deepspeed_pipe import simulate_deepspeed_pipeline, train_schedule
 from slackswap_ds.hardware import load_node
-from slackswap_ds.pipeline import Job, simulate_job, simulate_pipeline, tied_reduce_s
+from slackswap_ds.pipeline import Job, partitioned_gathers_s, simulate_job, simulate_pipeline, tied_reduce_s
+from slackswap_ds.plan import Decision
 from slackswap_ds.workloads import preset_spec
 
 
@@ -52,3 +55,30 @@ def test_a_deepspeed_pipeline_job_sends_whole_activations_and_reduces_the_tied_e
     assert tied == pytest.approx(node.gpu.collective_s("all_reduce", spec.vocab * spec.hidden * 2, 2))
     assert deepspeed.grad_comm_s == pytest.approx(tied)  # dp 1: the tied reduce is all there is
     assert tied_reduce_s(Job(spec, pp=1), node.gpu, node, True) == 0.0
+
+
+
+def test_partitioned_activations_gather_each_recomputed_regions_input_before_its_recompute():
+    from slackswap_ds.errors import ProfileError
+    from slackswap_ds.workloads import Parallel
+
+    node = load_node("dgx-a100")
+    spec = preset_spec("gpt3-175b", layers=4, micro_batch=1, seq=512)
+    plain = Job(spec, Parallel(8), pp=2, micro_batches=4, schedule="deepspeed")
+    split = Job(spec, Parallel(8), pp=2, micro_batches=4, schedule="deepspeed", partition_activations=True)
+    a, b = (simulate_job(j, node, float("inf"), "full-recompute") for j in (plain, split))
+    gather = node.gpu.collective_s("all_gather", 512 * spec.hidden * 2, 8)  # one layer's input, all 8 shards
+    for st in b.stages:
+        recomputed = {st.profile.region_of(x) for x in st.profile.activations
+                      if st.plan.decision[x.key] is Decision.RECOMPUTE}
+        assert {f"layers.{i}" for i in st.layers} <= recomputed  # full recompute: both of its layers at least
+        assert partitioned_gathers_s(split, node.gpu, st) == pytest.approx(len(recomputed) * gather)
+    # each micro-batch's backward waits for its gathers: the step is longer by at least the last stage's
+    # gathers of every micro-batch
+    assert b.pipeline_s >= a.pipeline_s + 4 * partitioned_gathers_s(split, node.gpu, b.stages[-1]) - 1e-12
+    keep = simulate_job(split, node, float("inf"), "keep-all")  # nothing recomputed: nothing to gather
+    assert keep.pipeline_s == simulate_job(dataclasses.replace(split, partition_activations=False), node,
+                                           float("inf"), "keep-all").pipeline_s
+    assert gather > 0
+    with pytest.raises(ProfileError, match="needs schedule 'deepspeed'"):
+        Job(spec, Parallel(8), pp=2, partition_activations=True)
