@@ -5,7 +5,7 @@ import cycles; no module imports another module's underscore names; core and pla
 torch (tests/test_structure.py holds the package to this block):
 
     core         errors files budget profile derive hardware plan model_config workloads
-    planning     simulator planners sharded deepspeed_pipe pipeline report
+    planning     simulator planners schedules sharded deepspeed_pipe pipeline report
     runtime      runtime checkpointing bucketing topology dist channels agreement planfile
     integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run autoroute
     entry        cli
@@ -23,6 +23,7 @@ The map, one line per module (README.md, "What is in the box", says more):
     workloads/      analytic per-op profiles: spec, presets (configs/workloads/), builder, layer
     simulator       discrete-event simulation of Schedules on a GPU or a node
     planners/       one signature -> Planned: common, slackswap, milp, optimal, baselines, anchors
+    schedules       Megatron's pipeline schedules as event times: 1F1B and interleaved 1F1B; per-device peaks
     sharded         ZeRO-3 / FSDP: a micro-batch with its parameter gathers and gradient reduce-scatters
     deepspeed_pipe  DeepSpeed's PipelineEngine schedule: lockstep steps, blocking sends, tied-weight reduce
     pipeline        whole jobs: TP, SP, PP (1F1B or DeepSpeed's), DP, ZeRO 0-3 and ZeRO-Offload

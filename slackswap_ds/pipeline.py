@@ -38,7 +38,6 @@ Every rate comes from the hardware presets; the step is deterministic.
 
 from __future__ import annotations
 
-import bisect
 import functools
 
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 from . import sharded
 from .budget import budget_bytes
 from .deepspeed_pipe import simulate_deepspeed_pipeline
+from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401
 from .errors import ProfileError, SlackSwapError
 from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule
@@ -77,10 +77,11 @@ class Job:
     schedule: str = "1f1b"  # "1f1b": Megatron's; "deepspeed": DeepSpeed's PipelineEngine (`deepspeed_pipe`)
     stage_layer_counts: tuple[int, ...] = ()  # layers per stage, first to last; (): layers / pp each
     partition_activations: bool = False  # DeepSpeed: recomputed layers' saved inputs split over tp, gathered again
+    chunks: int = 1  # model chunks per device: Megatron's interleaved 1F1B over pp * chunks virtual stages
 
     def __post_init__(self) -> None:
         problems = []
-        for f in ("pp", "dp", "micro_batches"):
+        for f in ("pp", "dp", "micro_batches", "chunks"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 problems.append(f"{f} must be a positive integer, got {v!r}")
@@ -100,6 +101,14 @@ class Job:
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         counts = self.stage_layer_counts
+        if not problems and self.chunks > 1:
+            if self.schedule != "1f1b" or counts or self.pp == 1:
+                problems.append("chunks > 1 is Megatron's interleaved schedule: it needs schedule '1f1b', pp > 1 "
+                                "and an even split")
+            elif self.spec.layers % (self.pp * self.chunks) or self.micro_batches % self.pp:
+                problems.append(f"the interleaved schedule needs layers ({self.spec.layers}) divisible by pp x "
+                                f"chunks ({self.pp * self.chunks}) and micro_batches ({self.micro_batches}) a "
+                                f"multiple of pp ({self.pp})")
         if counts:
             if (not isinstance(counts, tuple) or len(counts) != self.pp
                     or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)):
@@ -117,17 +126,32 @@ class Job:
     def gpus(self) -> int:
         return self.par.tp * self.pp * self.dp
 
+    @property
+    def stages(self) -> int:
+        """(Virtual) stages: pp, or pp x chunks interleaved (chunk c of device i is stage c * pp + i)."""
+        return self.pp * self.chunks
+
     def stage_layers(self, stage: int) -> range:
-        counts = self.stage_layer_counts or (self.spec.layers // self.pp,) * self.pp
+        counts = self.stage_layer_counts or (self.spec.layers // self.stages,) * self.stages
         first = sum(counts[:stage])
         return range(first, first + counts[stage])
 
     def in_flight(self, stage: int) -> int:
-        """Micro-batches stage `stage` holds at its peak under 1F1B."""
-        return min(self.pp - stage, self.micro_batches)
+        """Micro-batches stage `stage` holds at its peak: under 1F1B min(pp - stage, m); interleaved,
+        those of its chunk among its device's warm-up forwards and the one that follows them."""
+        if self.chunks == 1:
+            return min(self.pp - stage, self.micro_batches)
+        device, chunk = stage % self.pp, stage // self.pp
+        order = interleaved_order(self.pp, self.chunks, self.micro_batches, device)
+        first_backward = next(i for i, w in enumerate(order) if w[0] == "B")
+        return max(1, sum(1 for kind, c, _ in order[:first_backward] if c == chunk))
+
+    def device_stages(self, device: int) -> range:
+        """The (virtual) stages on pipeline rank `device`."""
+        return range(device, self.stages, self.pp)
 
     def stage_parts(self, stage: int) -> dict:
-        return {"layers": self.stage_layers(stage), "embed": stage == 0, "head": stage == self.pp - 1}
+        return {"layers": self.stage_layers(stage), "embed": stage == 0, "head": stage == self.stages - 1}
 
     def stage_params(self, stage: int) -> int:
         """Weight elements one rank of the stage owns."""
@@ -135,7 +159,7 @@ class Job:
 
     def region_params(self, stage: int) -> dict[str, int]:
         """Weight elements per region of one rank of the stage (built once per job and stage; read only)."""
-        return _region_params(self.spec, self.par, self.stage_layers(stage), stage == 0, stage == self.pp - 1)
+        return _region_params(self.spec, self.par, self.stage_layers(stage), stage == 0, stage == self.stages - 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -145,80 +169,8 @@ def _region_params(spec: ModelSpec, par: Parallel, layers: range, embed: bool, h
 
 def stage_profile(job: Job, hw, stage: int) -> StepProfile:
     """One rank's profile of one micro-batch on `stage`."""
-    name = job.spec.name if job.pp == 1 else f"{job.spec.name}/stage{stage}"
+    name = job.spec.name if job.stages == 1 else f"{job.spec.name}/stage{stage}"
     return transformer_profile(job.spec, hw, job.par, name=name, **job.stage_parts(stage))
-
-
-# ---- 1F1B ----------------------------------------------------------------------------------------
-def one_f_one_b(pp: int, micro_batches: int, stage: int) -> list[tuple[str, int]]:
-    """Stage `stage`'s order of forwards ("F", j) and backwards ("B", j) under 1F1B."""
-    warm = min(pp - stage - 1, micro_batches)
-    order = [("F", j) for j in range(warm)]
-    for j in range(micro_batches - warm):
-        order += [("F", warm + j), ("B", j)]
-    order += [("B", j) for j in range(micro_batches - warm, micro_batches)]
-    return order
-
-
-@dataclass(frozen=True)
-class PipeEvent:
-    stage: int
-    kind: str  # "F" or "B"
-    micro_batch: int
-    start: float
-    end: float
-
-
-def simulate_pipeline(fwd_s: list[float], bwd_s: list[float], micro_batches: int,
-                      p2p_s: float = 0.0) -> tuple[PipeEvent, ...]:
-    """Event times of one 1F1B step: stage i's forward takes fwd_s[i], its backward bwd_s[i]; a
-    send between neighbouring stages takes p2p_s. Deterministic: each stage runs its order as soon
-    as its inputs have arrived."""
-    p = len(fwd_s)
-    orders = [one_f_one_b(p, micro_batches, i) for i in range(p)]
-    done: dict[tuple[int, str, int], float] = {}
-    pos, free, events = [0] * p, [0.0] * p, []
-    while any(pos[i] < len(orders[i]) for i in range(p)):
-        progressed = False
-        for i in range(p):
-            while pos[i] < len(orders[i]):
-                kind, j = orders[i][pos[i]]
-                if kind == "F":
-                    dep = (i - 1, "F", j) if i > 0 else None
-                else:
-                    dep = (i + 1, "B", j) if i < p - 1 else (i, "F", j)
-                if dep is not None and dep not in done:
-                    break
-                ready = 0.0 if dep is None else done[dep] + (p2p_s if dep[0] != i else 0.0)
-                start = max(free[i], ready)
-                end = start + (fwd_s[i] if kind == "F" else bwd_s[i])
-                done[i, kind, j] = free[i] = end
-                events.append(PipeEvent(i, kind, j, start, end))
-                pos[i] += 1
-                progressed = True
-        if not progressed:  # cannot happen for 1F1B orders; a guard against a broken schedule
-            raise SlackSwapError("pipeline schedule deadlocks")
-    return tuple(sorted(events, key=lambda e: (e.start, e.stage)))
-
-
-def stage_peaks(events: tuple[PipeEvent, ...], kept: list[int], peak: list[int]) -> list[int]:
-    """Each stage's peak device activation bytes over the step's events: the micro-batches whose
-    forward ended and whose backward has not keep `kept` bytes each; a running one adds its `peak`."""
-    out, by_stage = [0] * len(kept), [[] for _ in kept]
-    for e in events:
-        by_stage[e.stage].append(e)
-    for i, mine in enumerate(by_stage):
-        f_end = {e.micro_batch: e.end for e in mine if e.kind == "F"}
-        b_end = {e.micro_batch: e.end for e in mine if e.kind == "B"}
-        # held at t: forward ended by t and backward not (a backward ends after its forward), so
-        # #(forward ends <= t) - #(backward ends <= t), counted by bisection: linear in micro-batches
-        f_ends, b_ends = sorted(f_end.values()), sorted(b_end.values())
-        for e in mine:
-            held = bisect.bisect_right(f_ends, e.start) - bisect.bisect_right(b_ends, e.start)
-            j = e.micro_batch
-            held -= j in f_end and f_end[j] <= e.start < b_end[j]  # (its own micro-batch is `peak`)
-            out[i] = max(out[i], held * kept[i] + peak[i])
-    return out
 
 
 # ---- ZeRO-Offload's own traffic -------------------------------------------------------------------
@@ -321,7 +273,7 @@ class StepResult:
     pipeline_s: float  # the 1F1B part (forwards, backwards, bubbles, sends)
     grad_comm_s: float  # data-parallel gradient reduction, exposed
     optimizer_s: float  # optimizer step (and ZeRO-Offload's parameter copy back)
-    peaks: tuple[int, ...]  # per stage, from the events
+    peaks: tuple[int, ...]  # per device (pipeline rank; per stage without interleaving), from the events
     ideal_s: float = float("nan")  # the same job with every activation kept (no memory limit)
     notes: tuple[str, ...] = field(default=())
 
@@ -332,6 +284,15 @@ class StepResult:
     @property
     def throughput(self) -> float:
         return self.ideal_s / self.step_s
+
+    def device_budget(self, device: int) -> int:
+        """The budget of pipeline rank `device`: its stages' budgets together."""
+        return sum(self.stages[s].budget_bytes for s in self.job.device_stages(device))
+
+    @property
+    def worst_peak_ratio(self) -> float:
+        """The highest peak over budget among the pipeline ranks."""
+        return max(p / self.device_budget(d) for d, p in enumerate(self.peaks))
 
 
 def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap",
@@ -346,7 +307,7 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
         raise SlackSwapError(f"node {node.name!r} has no internode_busbw: a {job.gpus}-GPU job spans nodes")
     holds = job.in_flight(0) if one_plan else None
     stages = tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware, holds=holds)
-                   for i in range(job.pp))
+                   for i in range(job.stages))
     # point-to-point: one micro-batch's boundary activation, this rank's part (Megatron: 1/tp with
     # the scatter-gather optimisation, Narayanan et al. 4.1; DeepSpeed sends it whole), over this
     # GPU's own network link
@@ -365,15 +326,17 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     if deepspeed:
         events = tuple(PipeEvent(*e) for e in simulate_deepspeed_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s))
     else:
-        events = simulate_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s)
+        events = simulate_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s, job.chunks)
     pipeline_s = max(e.end for e in events)
-    peaks = tuple(stage_peaks(events, [s.kept_bytes for s in stages], [s.result.peak_bytes for s in stages]))
-    finish = [max(e.end for e in events if e.stage == i) for i in range(job.pp)]
+    peaks = tuple(stage_peaks(events, [s.kept_bytes for s in stages], [s.result.peak_bytes for s in stages],
+                              job.chunks))
+    finish = [max(e.end for e in events if e.stage == i) for i in range(job.stages)]
     if job.dp > 1 and job.zero < 3:
         finish = [_reduce_gradients(job, hw, node, st, events, one_node) for st in stages]
     grad_comm_s = max(finish) - pipeline_s  # what gradient reduction adds after the pipeline drains
     grad_comm_s += tied_reduce_s(job, hw, node, one_node) if deepspeed else 0.0
-    params = max(job.stage_params(i) for i in range(job.pp))  # the slowest stage sets the pace
+    # the slowest device sets the pace
+    params = max(sum(job.stage_params(s) for s in job.device_stages(d)) for d in range(job.pp))
     owned = params // job.dp if job.zero >= 1 else params  # parameters whose optimizer state this rank holds
     if job.offload_optimizer:
         host_bps = node.socket_mem_bps / (node.gpus_per_switch * node.switches_per_socket)

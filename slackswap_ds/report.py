@@ -280,6 +280,7 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
               results: list[tuple[str, StepResult | None, str | None]], ideal: float) -> list[str]:
     """A whole job's step per planner (or why it is infeasible), then each stage under the first planner."""
     cut = f"tp {job.par.tp}{' + sp' if job.par.sp else ''}, pp {job.pp}, dp {job.dp}, zero {job.zero}" + \
+        (f", {job.chunks} chunks per device (interleaved)" if job.chunks > 1 else "") + \
         (" with optimizer offload" if job.offload_optimizer else "") + \
         (", gradients reduced during backward" if job.overlap_grad_comm else "")
     lines = [f"{spec.name} on {node_name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
@@ -292,7 +293,7 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
         if res is None:
             lines.append(f"  {planner:<20}{'-':>8}  infeasible: {err}")
             continue
-        worst = max(p / s.budget_bytes for p, s in zip(res.peaks, res.stages))
+        worst = res.worst_peak_ratio
         lines.append(f"  {planner:<20}{100 * res.throughput:>8.1f}{res.step_s:>9.3f}{res.pipeline_s:>9.3f}"
                      f"{res.grad_comm_s:>9.3f}{res.optimizer_s:>9.3f}{worst:>19.3f}")
     for planner, res, _ in results:
@@ -304,13 +305,14 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
 
 
 def _stage_lines(planner: str, res: StepResult) -> list[str]:
-    lines = [f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, recompute):",
+    interleaved = " (interleaved: peak GB is the whole device's, all its chunks)" if res.job.chunks > 1 else ""
+    lines = [f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, recompute){interleaved}:",
              "    stage  layers   in-flight  keep-all GB  budget GB  peak GB  kept GB/mb  swap GB/mb  "
              "recomp ms  fwd ms  bwd ms  plan"]
     for i, s in enumerate(res.stages):
         swap = s.plan.bytes_by_decision(s.profile)[Decision.SWAP]
         lines.append(f"    {i:>5}  {s.layers.start:>3}-{s.layers.stop - 1:<3}  {s.in_flight:>9}  "
-                     f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  {res.peaks[i] / GB:>7.2f}  "
+                     f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  {res.peaks[i % res.job.pp] / GB:>7.2f}  "
                      f"{s.kept_bytes / GB:>10.2f}  {swap / GB:>10.2f}  {s.result.recompute_s * 1e3:>9.1f}  "
                      f"{s.fwd_s * 1e3:>6.1f}  {s.bwd_s * 1e3:>6.1f}  {s.plan.digest[:12]}")
     return lines

@@ -205,7 +205,8 @@ def _layer_counts(text: str) -> tuple[int, ...]:
 
 def _is_job(args: argparse.Namespace) -> bool:
     return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm,
-            args.schedule, args.stage_layers, args.partition_activations) != (1, 1, 0, 1, False, False, "1f1b", (), False)
+            args.schedule, args.stage_layers, args.partition_activations, args.chunks) != \
+        (1, 1, 0, 1, False, False, "1f1b", (), False, 1)
 
 
 def cmd_simulate_job(args: argparse.Namespace) -> int:
@@ -226,7 +227,7 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
     rows, out = [], sys.stdout
     for wl in _workloads(args, ("llama-70b",)):
         job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
-                  args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations)
+                  args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations, args.chunks)
         ideal = ideal_step_s(job, node)
         for budget in budgets:
             if not budget.is_fraction:
@@ -343,6 +344,9 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-activations", action="store_true",
                    help="DeepSpeed's partition_activations (with --schedule deepspeed): a recomputed layer's "
                         "input is kept split over the tensor-parallel ranks and gathered again before recompute")
+    p.add_argument("--chunks", type=_positive_int, default=1, metavar="V",
+                   help="model chunks per pipeline rank: Megatron's interleaved 1F1B over pp x V virtual stages "
+                        "(a V-fold smaller bubble, V-fold sends; needs micro-batches a multiple of pp)")
     p.add_argument("--stage-layers", type=_layer_counts, default=(), metavar="N,N,...",
                    help="layers per pipeline stage, first to last (an uneven split; default: layers / pp each)")
     p.add_argument("--micro-batches", type=_positive_int, default=1, metavar="M",

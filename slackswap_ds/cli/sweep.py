@@ -279,14 +279,14 @@ def job_row(wl: Workload, job: Job, node: Node, budget: Budget, planner: str, re
     """A job's row as `--json` prints it: the cut, the budget, the step, and per stage its plan."""
     row = {"workload": wl.name, "node": node.name, "tp": job.par.tp, "sp": job.par.sp, "pp": job.pp, "dp": job.dp,
            "zero": job.zero, "micro_batches": job.micro_batches, "offload_optimizer": job.offload_optimizer,
-           "overlap_comm": job.overlap_grad_comm,
+           "overlap_comm": job.overlap_grad_comm, "schedule": job.schedule, "chunks": job.chunks,
            "budget": budget.json_value, "planner": planner, "ideal_s": ideal, "feasible": res is not None}
     if res is None:
         return {**row, "error": err}
     return {**row, "step_s": res.step_s, "throughput_pct": 100 * res.throughput, "pipeline_s": res.pipeline_s,
             "grad_comm_s": res.grad_comm_s, "optimizer_s": res.optimizer_s,
             "stages": [{"stage": s.stage, "layers": [s.layers.start, s.layers.stop], "in_flight": s.in_flight,
-                        "keep_all_bytes": s.keep_all_bytes, "budget_bytes": s.budget_bytes, "peak_bytes": res.peaks[i],
+                        "keep_all_bytes": s.keep_all_bytes, "budget_bytes": s.budget_bytes, "peak_bytes": res.peaks[i % job.pp],
                         "kept_bytes": s.kept_bytes, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
                         "swapped_bytes": s.plan.bytes_by_decision(s.profile)[Decision.SWAP],
                         "recompute_s": s.result.recompute_s, "plan_digest": s.plan.digest}
