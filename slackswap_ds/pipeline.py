@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from . import sharded
 from .budget import budget_bytes
 from .deepspeed_pipe import simulate_deepspeed_pipeline
-from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401
+from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401 (re-exported)
 from .errors import ProfileError, SlackSwapError
 from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule
