@@ -9,7 +9,8 @@ benchmark, each with its source), interpolated linearly in log(x) and held flat 
 
 * ``gemm_flops``: x = FLOPs of one GEMM call, y = the FLOP/s it achieves. Small GEMMs do not fill the
   GPU; one constant efficiency would over-predict small models and cap large ones. A preset gives
-  either this curve or the scalar ``matmul_efficiency``, never both.
+  either this curve or the scalar ``matmul_efficiency``, never both. Its optional ``"shapes"`` (one
+  ``[batch, m, n, k]`` per point, 2·b·m·n·k = x) with the scalar ``sm_count`` time GEMMs by shape.
 * ``flash_attention_flops``: x = FLOPs of one fused attention kernel, y = FLOP/s (FlashAttention runs
   well below GEMM speed); without it, fused attention runs at the GEMM curve's speed.
 * ``allreduce_busbw``: x = message bytes, y = NCCL all-reduce *bus* bandwidth among the GPUs of one
