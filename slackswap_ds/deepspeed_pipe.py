@@ -1,4 +1,4 @@
-"""DeepSpeed's pipeline engine as its own schedule (beside Megatron's 1F1B in `pipeline`).
+"""DeepSpeed's pipeline engine as its own schedule (beside Megatron's in `schedules`).
 
 DeepSpeed's ``PipelineEngine`` runs ``TrainSchedule`` (deepspeed/runtime/pipe/schedule.py, 0.19.8):
 ``2 * (micro_batches + stages - 1)`` steps; at each step every stage does one forward or one
@@ -19,7 +19,7 @@ stage), then the data-parallel gradients, then steps the optimizer: all after th
 
 from __future__ import annotations
 
-Event = tuple[int, str, int, float, float]  # (stage, "F" or "B", micro-batch, start, end)
+from .schedules import PipeEvent
 
 
 def train_schedule(stages: int, micro_batches: int, stage: int) -> list[tuple[str, int] | None]:
@@ -39,7 +39,7 @@ def train_schedule(stages: int, micro_batches: int, stage: int) -> list[tuple[st
 
 
 def simulate_deepspeed_pipeline(fwd_s: list[float], bwd_s: list[float], micro_batches: int,
-                                p2p_s: float = 0.0) -> list[Event]:
+                                p2p_s: float = 0.0) -> tuple[PipeEvent, ...]:
     """Event times of one ``TrainSchedule`` step: stage i's forward takes fwd_s[i], its backward
     bwd_s[i]; one blocking transfer between neighbours takes p2p_s. Each step, the pairs of stages
     that exchange tensors meet (both wait for the later), run their transfers in turn, then compute."""
@@ -65,9 +65,9 @@ def simulate_deepspeed_pipeline(fwd_s: list[float], bwd_s: list[float], micro_ba
             if work is not None:
                 kind, j = work
                 end = ready[i] + (fwd_s[i] if kind == "F" else bwd_s[i])
-                events.append((i, kind, j, ready[i], end))
+                events.append(PipeEvent(i, kind, j, ready[i], end))
                 free[i] = end
-    return sorted(events, key=lambda e: (e[3], e[0]))
+    return tuple(sorted(events, key=lambda e: (e.start, e.stage)))
 
 
 def _did(work: tuple[str, int] | None, kind: str) -> bool:

@@ -324,7 +324,7 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
         times = [_sharded_times(job, hw, node, st, one_node) for st in stages]
         fwd_s, bwd_s = [t.fwd_s for t in times], [t.bwd_s for t in times]
     if deepspeed:
-        events = tuple(PipeEvent(*e) for e in simulate_deepspeed_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s))
+        events = simulate_deepspeed_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s)
     else:
         events = simulate_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s, job.chunks)
     pipeline_s = max(e.end for e in events)

@@ -36,7 +36,8 @@ def test_a_two_stage_step_on_a_toy_board_has_the_hand_computed_event_times():
     # step 2: stage 0 F1 1.5-2.5 (no neighbour before it); stage 1 B0 2.5-4.5
     # step 3: the pair meets at 4.5 (stage 1 busy), activation 1 and gradient 0: 5.5; B0 on 0, F1 on 1
     # step 4: stage 1 B1 6.5-8.5; step 5: gradient 1 at max(7.5, 8.5) + 0.5 = 9.0, B1 on stage 0 -> 11
-    events = [(e[0], e[1], e[2], e[3], e[4]) for e in simulate_deepspeed_pipeline([1.0, 1.0], [2.0, 2.0], 2, 0.5)]
+    events = [(e.stage, e.kind, e.micro_batch, e.start, e.end)
+              for e in simulate_deepspeed_pipeline([1.0, 1.0], [2.0, 2.0], 2, 0.5)]
     assert sorted(events) == sorted([
         (0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.5, 2.5), (0, "B", 0, 5.5, 7.5), (0, "B", 1, 9.0, 11.0),
         (1, "F", 0, 1.5, 2.5), (1, "B", 0, 2.5, 4.5), (1, "F", 1, 5.5, 6.5), (1, "B", 1, 6.5, 8.5),
