@@ -114,7 +114,11 @@ def test_the_hf_trainer_with_torch_compile_trains_as_the_same_compiled_job_witho
     assert len(reports) == 4 and all(peak <= budget for peak, budget in reports), reports
 
 
-@pytest.mark.parametrize("n, stage, planner", [(2, 0, "slackswap"), (4, 0, "slackswap"), (2, 2, "full-recompute"),
+# (2 ranks under ZeRO 0 and 2: slow, for suite time; 4 ranks cover more, and ZeRO-2 plans on own lengths
+# through the HF Trainer are tests/test_zero_plans.py's)
+@pytest.mark.parametrize("n, stage, planner", [pytest.param(2, 0, "slackswap", marks=pytest.mark.slow),
+                                               (4, 0, "slackswap"),
+                                               pytest.param(2, 2, "full-recompute", marks=pytest.mark.slow),
                                                (2, 3, "slackswap")])
 def test_every_rank_on_its_own_lengths_every_step_trains_exactly_within_budget(tmp_path, n, stage, planner):
     """HF Trainer with DataCollatorWithPadding (tests/adoption/hf_padding.py): each batch padded to its
