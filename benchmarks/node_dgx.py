@@ -7,8 +7,9 @@ Every rank of the node runs the same workload at the same activation budget. Two
 * private: each rank plans with ``PRIVATE`` (as if it had the GPU's whole PCIe link to itself).
 
 The anchors a user would pick instead (planners/anchors.py: DeepCompile's offload_activation,
-torchtune's OffloadActivations, a torchtitan-style ILP) plan only the private way, as their systems
-do: none knows that the uplink is shared.
+torchtune's OffloadActivations, a torchtitan-style ILP, Megatron's core-attention offload,
+torchtitan's per-op selective checkpointing) plan only the private way, as their systems do: none
+knows that the uplink is shared.
 
 Both schedules are then simulated on the whole node at once (``simulate_node([schedule] * gpus)``),
 where the GPUs behind one switch really do share its uplink. The plan's single-GPU result (alone on
@@ -50,7 +51,7 @@ from slackswap_ds.workloads import workload
 
 NODE = "dgx-a100"
 WORKLOADS = ("gpt2-xl", "bert-large", "llama-7b")
-ANCHORS = ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload")  # planners/anchors.py
+ANCHORS = ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload", "torchtitan-op-sac")  # planners/anchors.py
 PLANNER_NAMES = ("slackswap", "optimal", *ANCHORS)
 QUICK_WORKLOADS = ("gpt2-xl",)
 QUICK_PLANNERS = ("slackswap",)

@@ -98,7 +98,7 @@ class SlackSwapConfig(BaseModel):
         description="Planner that decides keep / swap / recompute: `slackswap` (ours), `optimal` (MILP, "
         "slow), or a baseline: `keep-all`, `full-recompute`, `megatron-selective`, `offload-all`, "
         "`recompute-knapsack`; or what a user would pick instead (planners/anchors.py): `deepcompile-offload`, "
-        "`torchtune-offload`, `torchtitan-ilp`, `megatron-offload`.",
+        "`torchtune-offload`, `torchtitan-ilp`, `megatron-offload`, `torchtitan-op-sac`.",
         json_schema_extra=_doc("planner name", "slackswap"),
     )
     profile_steps: int = Field(

@@ -241,7 +241,7 @@ def test_fidelity_prints_every_row_with_its_ratio(tmp_path, capsys):
     out = tmp_path / "fidelity.json"
     assert fidelity.main(["--json", str(out)]) == 0
     rows = json.loads(out.read_text())
-    assert len(rows) == 36 and all(r["ratio"] == r["predicted"] / r["measured"] for r in rows)
+    assert len(rows) == 38 and all(r["ratio"] == r["predicted"] / r["measured"] for r in rows)
     assert all(r["note"] for r in rows if not r["within_target"])  # every miss says why
     assert len({r["source"].split(",")[0].split(" (")[0] for r in rows}) >= 6  # independent sources
     assert "rows within" in capsys.readouterr().out

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ..errors import UnknownNameError
-from .anchors import plan_deepcompile_offload, plan_megatron_offload, plan_torchtitan_ilp, plan_torchtune_offload
+from .anchors import (plan_deepcompile_offload, plan_megatron_offload, plan_torchtitan_ilp, plan_torchtitan_op_sac,
+                      plan_torchtune_offload)
 from .baselines import (
     plan_full_recompute,
     plan_keep_all,
@@ -34,6 +35,7 @@ PLANNERS: dict[str, PlannerFn] = {
     "torchtune-offload": plan_torchtune_offload,
     "torchtitan-ilp": plan_torchtitan_ilp,
     "megatron-offload": plan_megatron_offload,
+    "torchtitan-op-sac": plan_torchtitan_op_sac,
 }
 
 

@@ -14,7 +14,10 @@ over-commits the shared uplink.
   (torchtitan's `auto_perf_maxing` line of work); here the exact MILP of planners/milp.py;
 * ``megatron-offload``: Megatron-core's selective recompute with fine-grained activation offloading
   of the core attention (`--recompute-granularity selective --fine-grained-activation-offloading
-  --offload-modules core_attn`).
+  --offload-modules core_attn`);
+* ``torchtitan-op-sac``: torchtitan's per-op selective activation checkpointing (`--activation_
+  checkpoint.mode selective --activation_checkpoint.selective_ac_option op`), a torch selective-
+  checkpoint policy on every transformer block.
 
 Each function's docstring cites the rules it implements, and where our profile cannot say what the
 system reads (dtypes, aliasing), what it assumes instead.
@@ -27,7 +30,7 @@ from ..hardware import Hardware
 from ..plan import END_OF_FORWARD, Decision, Plan
 from ..profile import StepProfile
 from .baselines import CORE_ATTENTION_REPLAY, plan_megatron_selective
-from .common import PRIVATE, Planned, RegionModel, Share, keep_all, simulated
+from .common import PRIVATE, Planned, RegionModel, Share, finalize, keep_all, simulated
 from .milp import solve_region_milp
 
 # deepspeed/compile/passes/offload_activation.py (DeepSpeed 0.19.8): MIN_OFFLOAD_SIZE
@@ -129,6 +132,75 @@ def plan_megatron_offload(profile: StepProfile, hw: Hardware, budget_bytes: int,
     plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest,
                       planner="megatron-offload", prefetch=triggers, replay=selective.replay)
     return _judged(simulated(profile, plan, hw, share, holds), budget_bytes)
+
+
+# torchtitan's op-SAC save list (torchtitan/models/llama3/infra/parallelize.py, `_save_list`): the
+# outputs of mm and of the fused attention kernels (SDPA flash / efficient) are saved; the cost model's
+# op names for them. A fused QKV projection counts as torchtitan's three mms (wq, wk, wv), in q, k, v order.
+SAC_MM_OPS = ("qkv", "proj", "fc1", "fc2", "gate", "up", "down", "router")
+SAC_SAVED_KERNELS = ("flash_attn",)
+
+
+def plan_torchtitan_op_sac(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                           holds: int = 1) -> Planned:
+    """torchtitan's per-op selective activation checkpointing (torchtitan `apply_ac` with
+    `selective_ac_option = "op"`, `_custom_policy`): every transformer block is checkpointed with a
+    policy that "saves output of all compute ops, except every second mm": an mm's output is saved
+    when the block's running mm count is odd, recomputed when it is even; SDPA's outputs are saved;
+    everything else the block saves (norm outputs and statistics, activations, products, dropout
+    masks) is recomputed in backward from what was saved. The embedding and the head are not
+    checkpointed. bmm (unfused attention's scores and P·V) is not on the save list: recomputed."""
+    decisions = keep_all(profile)
+    ordinal = _sac_mm_ordinals(profile)
+    for a in profile.activations:
+        if not a.recomputable or profile.region_of(a) in ("embed", "head"):
+            continue
+        made_by = _made_by(profile, a.producers)
+        saved = (made_by in SAC_SAVED_KERNELS
+                 or (made_by in SAC_MM_OPS and ordinal.get(a.key, 0) % 2 == 1))
+        decisions[a.key] = Decision.KEEP if saved else Decision.RECOMPUTE
+    return _judged_finalized(profile, decisions, hw, budget_bytes, share, holds)
+
+
+def _made_by(profile: StepProfile, producers: tuple[int, ...]) -> str:
+    """The op whose output a saved tensor is, RoPE looked through: torchtitan saves wq's and wk's
+    outputs and recomputes their rotation; the cost model saves the rotated q and k (the same bytes;
+    the rotation's recompute, < 1% of a layer, is skipped)."""
+    names = [profile.ops[i].key.rsplit(":", 1)[-1] for i in sorted(producers)]
+    while len(names) > 1 and names[-1] == "rope":
+        names.pop()
+    return names[-1] if names else ""
+
+
+def _sac_mm_ordinals(profile: StepProfile) -> dict[str, int]:
+    """Each mm-made activation's place in its block's count of mms (the count torchtitan's policy keeps):
+    a fused QKV projection is three mms, q, k and v in order."""
+    counts: dict[str, int] = {}  # region -> mms so far
+    op_ordinals: dict[int, list[int]] = {}
+    for i, o in enumerate(profile.ops):
+        name = o.key.rsplit(":", 1)[-1]
+        if name in SAC_MM_OPS:
+            n = 3 if name == "qkv" else 1
+            first = counts.get(o.region, 0) + 1
+            counts[o.region] = first + n - 1
+            op_ordinals[i] = list(range(first, first + n))
+    out = {}
+    for a in profile.activations:
+        mms = [i for i in a.producers if i in op_ordinals]
+        last = max(mms) if mms else None
+        if last is None or _made_by(profile, a.producers) != profile.ops[last].key.rsplit(":", 1)[-1]:
+            continue
+        mine = op_ordinals[last]
+        suffix = a.key.rsplit(":", 1)[-1]
+        out[a.key] = mine[{"q": 0, "k": 1, "v": 2}[suffix]] if len(mine) == 3 and suffix in ("q", "k", "v") else mine[0]
+    return out
+
+
+def _judged_finalized(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, budget_bytes: int,
+                      share: Share, holds: int) -> Planned:
+    """The op-SAC plan on the rank's share, its own peak set against the budget (refused above it)."""
+    return finalize(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share, planner="torchtitan-op-sac",
+                    holds=holds)
 
 
 def _simulated(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share, budget_bytes: int,

@@ -124,7 +124,8 @@ def test_each_anchor_on_the_paper_workloads_at_half_budget_fits_or_says_its_peak
     p = workload(name, hw)
     budget = resolve_budget(0.5, p)
     outcome = {}
-    for planner in ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload"):
+    for planner in ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload",
+                    "torchtitan-op-sac"):
         for where, share in (("alone", PRIVATE), ("dgx", Share.of_node(load_node("dgx-a100")))):
             if planner == "torchtitan-ilp" and where == "dgx" and name != "gpt2-xl":
                 continue  # (a MILP solve each: the DGX case once, suite time; benchmarks/node_dgx.py has all)
@@ -140,4 +141,29 @@ def test_each_anchor_on_the_paper_workloads_at_half_budget_fits_or_says_its_peak
                        ("torchtitan-ilp", "alone"): "fits", **({("torchtitan-ilp", "dgx"): "over"} if name == "gpt2-xl" else {}),
                        # (llama-7b's attention is one fused op: no core attention to checkpoint or offload)
                        **{("megatron-offload", where): "over" if name == "llama-7b" else "fits"
-                          for where in ("alone", "dgx")}}
+                          for where in ("alone", "dgx")},
+                       # op-SAC's decisions are fixed by its policy and it swaps nothing: its peak is the
+                       # same wherever it runs (24-38% of the keep-all peak on these three)
+                       **{("torchtitan-op-sac", where): "fits" for where in ("alone", "dgx")}}
+
+
+def test_torchtitan_op_sac_saves_every_other_mm_and_the_attention_kernels_outputs():
+    """torchtitan's per-op policy on a Llama block (mms in order: wq 1, wk 2, wv 3, wo 4, w1 5, w3 6, w2 7):
+    save the outputs of odd-numbered mms (q, v, gate) and of the fused attention (its output and
+    log-sum-exp), recompute the rest the block saves; the embedding and head are not checkpointed."""
+    hw = load_hardware("a100-80g-pcie4")
+    p = workload("llama-7b", hw, layers=2, seq=256, micro_batch=1)
+    planned = get_planner("torchtitan-op-sac")(p, hw, p.total_bytes)
+    kept = {a.key.split(":", 1)[1] for a in p.activations
+            if a.key.startswith("layers.1.") and planned.plan.decision[a.key] is Decision.KEEP}
+    assert kept == {"x", "q", "v", "attn.lse", "attn.out", "gate.out"}  # (x: the block's input, its checkpoint)
+    assert all(planned.plan.decision[a.key] is Decision.KEEP for a in p.activations
+               if p.region_of(a) in ("embed", "head"))
+    # GPT-2 (fused QKV counted as three mms; unfused attention's bmm and softmax are not on the list)
+    g = workload("gpt2-xl", hw, layers=2, seq=128, micro_batch=1)
+    planned = get_planner("torchtitan-op-sac")(g, hw, g.total_bytes)
+    kept = {a.key.split(":", 1)[1] for a in g.activations
+            if a.key.startswith("layers.0.") and planned.plan.decision[a.key] is Decision.KEEP}
+    assert kept == {"x", "q", "v", "fc1.out"}
+    with pytest.raises(BudgetInfeasibleError):  # fixed decisions: a budget below its peak is refused
+        get_planner("torchtitan-op-sac")(p, hw, p.total_bytes // 4)
