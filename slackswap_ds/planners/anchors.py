@@ -134,9 +134,9 @@ def plan_megatron_offload(profile: StepProfile, hw: Hardware, budget_bytes: int,
     return _judged(simulated(profile, plan, hw, share, holds), budget_bytes)
 
 
-# torchtitan's op-SAC save list (torchtitan/models/llama3/infra/parallelize.py, `_save_list`): the
-# outputs of mm and of the fused attention kernels (SDPA flash / efficient) are saved; the cost model's
-# op names for them. A fused QKV projection counts as torchtitan's three mms (wq, wk, wv), in q, k, v order.
+# torchtitan's op-SAC save list (`_save_list` / `op_sac_save_list` beside `_apply_ac_to_transformer_block`;
+# its file moved between releases): the outputs of mm and of the fused attention kernels (SDPA flash /
+# efficient) are saved; the cost model's op names for them. A fused QKV projection counts as torchtitan's three mms (wq, wk, wv), in q, k, v order.
 SAC_MM_OPS = ("qkv", "proj", "fc1", "fc2", "gate", "up", "down", "router")
 SAC_SAVED_KERNELS = ("flash_attn",)
 
