@@ -71,22 +71,28 @@ def _megatron(layers: int, hidden: int, heads: int) -> ModelSpec:
                                heads=heads, kv_heads=heads, ffn=4 * hidden, source=KORTHIKANTI)
 
 
-def _mpt(name: str, d: int, heads: int, layers: int, micro_batch: int) -> ModelSpec:
+def _mpt(name: str, d: int, heads: int, layers: int, micro_batch: int, seq: int = 2048) -> ModelSpec:
     """MPT dims from llm-foundry's scripts/train/yamls/pretrain/mpt-*.yaml: GeLU MLP of 4d, LayerNorm,
-    ALiBi (no rotary embedding), no dropout, vocab 50368, flash attention, seq 2048, bf16."""
+    ALiBi (no rotary embedding), no dropout, vocab 50368, flash attention (causal), bf16."""
     return ModelSpec(name=name, layers=layers, hidden=d, heads=heads, kv_heads=heads, ffn=4 * d, ffn_kind="gelu",
-                     norm="layernorm", norm_placement="pre", dropout=0.0, vocab=50368, seq=2048,
+                     norm="layernorm", norm_placement="pre", dropout=0.0, vocab=50368, seq=seq,
                      micro_batch=micro_batch, dtype_bytes=2, flash=True, source=FOUNDRY, causal=True)
+
+
+class Rows(list):
+    """The table: each row a measurement, the simulator's prediction beside it and their ratio."""
+
+    def add(self, source: str, what: str, config: str, measured: float, predicted: float, unit: str,
+            note: str = "") -> None:
+        ratio = predicted / measured
+        self.append({"source": source, "what": what, "config": config, "measured": measured, "predicted": predicted,
+                     "unit": unit, "ratio": ratio, "within_target": abs(ratio - 1) <= TARGET, "note": note})
 
 
 def rows() -> list[dict]:
     node = load_node("dgx-a100")
-    out = []
-
-    def row(source: str, what: str, config: str, measured: float, predicted: float, unit: str, note: str = ""):
-        ratio = predicted / measured
-        out.append({"source": source, "what": what, "config": config, "measured": measured, "predicted": predicted,
-                    "unit": unit, "ratio": ratio, "within_target": abs(ratio - 1) <= TARGET, "note": note})
+    out = Rows()
+    row = out.add
 
     cfg = "22B layer (h 6144, 64 heads, s 2048, micro-batch 4), one rank of TP 8 on 8x A100-80GB"
     layer_rows = [
@@ -140,7 +146,8 @@ def rows() -> list[dict]:
         predicted = mb * ga * 2048 / res.step_s
         row(FOUNDRY, f"{name}: tokens/s per GPU", f"seq 2048, micro-batch {mb}, grad accum {ga}, 8 GPUs, no "
             f"checkpointing, bf16, FSDP FULL_SHARD (ZeRO-3)", tokens, predicted, "tok/s", EAGER if abs(predicted / tokens - 1) > TARGET else "")
-    out += new_rows()
+    new_rows(row)
+    pipeline_rows(row)
     return out
 
 
@@ -162,16 +169,10 @@ def _tokens_per_gpu_s(spec: ModelSpec, job: Job, node, planner: str) -> float:
     return spec.micro_batch * job.micro_batches * spec.seq / res.step_s
 
 
-def new_rows() -> list[dict]:
+def new_rows(row) -> None:
     """Measured runs none of the presets' curves came from: llm-foundry at other sizes, sequence
     lengths and with recompute, and on H100; llm.c's GPT-2 runs; torchtitan's FSDP runs on 8 nodes."""
     a100, h100 = load_node("dgx-a100"), load_node("dgx-h100")
-    out = []
-
-    def row(source, what, config, measured, predicted, unit, note=""):
-        ratio = predicted / measured
-        out.append({"source": source, "what": what, "config": config, "measured": measured, "predicted": predicted,
-                    "unit": unit, "ratio": ratio, "within_target": abs(ratio - 1) <= TARGET, "note": note})
 
     # llm-foundry, FSDP FULL_SHARD = ZeRO-3 over the 8 GPUs of one node; the "ActCkpt" rows recompute every layer
     mpt = [  # name, d, heads, layers, seq, micro-batch, grad accum, recompute, tok/s/GPU, node
@@ -184,7 +185,7 @@ def new_rows() -> list[dict]:
         ("MPT-1B on H100", 2048, 16, 24, 2048, 14, 1, False, 45455, h100),
     ]
     for name, d, a, layers, seq, mb, ga, ckpt, tokens, node in mpt:
-        spec = dataclasses.replace(_mpt(name, d, a, layers, mb), seq=seq, causal=True)
+        spec = _mpt(name, d, a, layers, mb, seq)
         job = Job(spec, dp=8, micro_batches=ga, zero=3)
         predicted = _tokens_per_gpu_s(spec, job, node, "full-recompute" if ckpt else "keep-all")
         gpu = "A100 80GB" if node is a100 else "H100 80GB"
@@ -222,8 +223,6 @@ def new_rows() -> list[dict]:
         row(TITAN, f"{name}: tokens/s per GPU", f"64x A100 80GB (8 nodes), seq {seq}, micro-batch {mb}, FSDP2 "
             f"(ZeRO-3) over 64, {ac[planner]}, bf16, no compile",
             tokens, predicted, "tok/s", EAGER + "; the cluster's network is not stated")
-    pipeline_rows(row)
-    return out
 
 
 BLOOM = "bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 9e64edec)"
