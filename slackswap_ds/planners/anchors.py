@@ -136,9 +136,11 @@ def plan_megatron_offload(profile: StepProfile, hw: Hardware, budget_bytes: int,
 
 # torchtitan's op-SAC save list (`_save_list` / `op_sac_save_list` beside `_apply_ac_to_transformer_block`;
 # its file moved between releases): the outputs of mm and of the fused attention kernels (SDPA flash /
-# efficient) are saved; the cost model's op names for them. A fused QKV projection counts as torchtitan's three mms (wq, wk, wv), in q, k, v order.
+# efficient) are saved; the cost model's op names for them. A fused QKV projection counts as
+# torchtitan's three mms (wq, wk, wv), in q, k, v order.
 SAC_MM_OPS = ("qkv", "proj", "fc1", "fc2", "gate", "up", "down", "router")
 SAC_SAVED_KERNELS = ("flash_attn",)
+_QKV = {"q": 0, "k": 1, "v": 2}
 
 
 def plan_torchtitan_op_sac(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
@@ -151,56 +153,43 @@ def plan_torchtitan_op_sac(profile: StepProfile, hw: Hardware, budget_bytes: int
     masks) is recomputed in backward from what was saved. The embedding and the head are not
     checkpointed. bmm (unfused attention's scores and P·V) is not on the save list: recomputed."""
     decisions = keep_all(profile)
-    ordinal = _sac_mm_ordinals(profile)
+    first_mm = _first_mm_count(profile)
     for a in profile.activations:
         if not a.recomputable or profile.region_of(a) in ("embed", "head"):
             continue
         made_by = _made_by(profile, a.producers)
-        saved = (made_by in SAC_SAVED_KERNELS
-                 or (made_by in SAC_MM_OPS and ordinal.get(a.key, 0) % 2 == 1))
+        name = profile.ops[made_by].key.rsplit(":", 1)[-1]
+        if name in SAC_MM_OPS:  # q, k and v of a fused projection: its first, second and third mm
+            count = first_mm[made_by] + (_QKV.get(a.key.rsplit(":", 1)[-1], 0) if name == "qkv" else 0)
+            saved = count % 2 == 1
+        else:
+            saved = name in SAC_SAVED_KERNELS
         decisions[a.key] = Decision.KEEP if saved else Decision.RECOMPUTE
-    return _judged_finalized(profile, decisions, hw, budget_bytes, share, holds)
+    return finalize(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share, planner="torchtitan-op-sac",
+                    holds=holds)
 
 
-def _made_by(profile: StepProfile, producers: tuple[int, ...]) -> str:
+def _made_by(profile: StepProfile, producers: tuple[int, ...]) -> int:
     """The op whose output a saved tensor is, RoPE looked through: torchtitan saves wq's and wk's
     outputs and recomputes their rotation; the cost model saves the rotated q and k (the same bytes;
     the rotation's recompute, < 1% of a layer, is skipped)."""
-    names = [profile.ops[i].key.rsplit(":", 1)[-1] for i in sorted(producers)]
-    while len(names) > 1 and names[-1] == "rope":
-        names.pop()
-    return names[-1] if names else ""
+    ordered = sorted(producers)
+    while len(ordered) > 1 and profile.ops[ordered[-1]].key.endswith(":rope"):
+        ordered.pop()
+    return ordered[-1]
 
 
-def _sac_mm_ordinals(profile: StepProfile) -> dict[str, int]:
-    """Each mm-made activation's place in its block's count of mms (the count torchtitan's policy keeps):
-    a fused QKV projection is three mms, q, k and v in order."""
+def _first_mm_count(profile: StepProfile) -> dict[int, int]:
+    """For each mm op, the block's running mm count at it (torchtitan's policy counts per block; a
+    fused QKV projection counts three)."""
     counts: dict[str, int] = {}  # region -> mms so far
-    op_ordinals: dict[int, list[int]] = {}
+    out = {}
     for i, o in enumerate(profile.ops):
         name = o.key.rsplit(":", 1)[-1]
         if name in SAC_MM_OPS:
-            n = 3 if name == "qkv" else 1
-            first = counts.get(o.region, 0) + 1
-            counts[o.region] = first + n - 1
-            op_ordinals[i] = list(range(first, first + n))
-    out = {}
-    for a in profile.activations:
-        mms = [i for i in a.producers if i in op_ordinals]
-        last = max(mms) if mms else None
-        if last is None or _made_by(profile, a.producers) != profile.ops[last].key.rsplit(":", 1)[-1]:
-            continue
-        mine = op_ordinals[last]
-        suffix = a.key.rsplit(":", 1)[-1]
-        out[a.key] = mine[{"q": 0, "k": 1, "v": 2}[suffix]] if len(mine) == 3 and suffix in ("q", "k", "v") else mine[0]
+            out[i] = counts.get(o.region, 0) + 1
+            counts[o.region] = out[i] + (2 if name == "qkv" else 0)
     return out
-
-
-def _judged_finalized(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, budget_bytes: int,
-                      share: Share, holds: int) -> Planned:
-    """The op-SAC plan on the rank's share, its own peak set against the budget (refused above it)."""
-    return finalize(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share, planner="torchtitan-op-sac",
-                    holds=holds)
 
 
 def _simulated(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share, budget_bytes: int,
