@@ -1,5 +1,6 @@
-"""A whole training step of a cut job: pipeline stages under 1F1B, data-parallel replicas with a
-ZeRO stage, the optimizer step, and a SlackSwap plan per stage.
+"""A whole training step of a cut job: pipeline stages under 1F1B (plain or interleaved, `schedules`)
+or DeepSpeed's schedule (`deepspeed_pipe`), data-parallel replicas with a ZeRO stage, the optimizer
+step, and a SlackSwap plan per stage.
 
 What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed ZeRO):
 
@@ -23,15 +24,14 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
   this rank's parameters (1/dp of them with ZeRO >= 1), or with ZeRO-Offload CPU Adam at this
   GPU's share of its socket's memory bandwidth plus the copy of the updated 16-bit parameters back
   to the device. Stage-to-stage sends carry one micro-batch's boundary activation (1/tp of it per
-  rank, Megatron's scatter-gather) at the same link's rate.
+  rank, Megatron's scatter-gather; DeepSpeed sends it whole) at the same link's rate.
 
 * ZeRO-3 (FSDP FULL_SHARD): every micro-batch gathers each region's parameters before it runs, in
   forward and again in backward, and reduce-scatters its gradients (`sharded`); no gradient
   reduction after the pipeline.
 
-Not modelled: the interleaved 1F1B schedule (Megatron's virtual stages: a smaller bubble), and plans that know
-a stage's finished forwards are held k-1 times (the per-micro-batch planners never drop tensors of
-the region that runs last, which 1F1B still holds).
+Not modelled: plans that know a stage's finished forwards are held k-1 times (the per-micro-batch
+planners never drop tensors of the region that runs last, which 1F1B still holds).
 
 Every rate comes from the hardware presets; the step is deterministic.
 """
@@ -145,6 +145,11 @@ class Job:
         order = interleaved_order(self.pp, self.chunks, self.micro_batches, device)
         first_backward = next(i for i, w in enumerate(order) if w[0] == "B")
         return max(1, sum(1 for kind, c, _ in order[:first_backward] if c == chunk))
+
+    @property
+    def boundary_bytes(self) -> int:
+        """One micro-batch's activation between layers, whole (what a stage sends the next)."""
+        return self.spec.micro_batch * self.spec.seq * self.spec.hidden * self.spec.dtype_bytes
 
     def device_stages(self, device: int) -> range:
         """The (virtual) stages on pipeline rank `device`."""
@@ -285,6 +290,10 @@ class StepResult:
     def throughput(self) -> float:
         return self.ideal_s / self.step_s
 
+    def stage_device_peak(self, stage: int) -> int:
+        """The peak of the pipeline rank that runs (virtual) stage `stage`."""
+        return self.peaks[stage % self.job.pp]
+
     def device_budget(self, device: int) -> int:
         """The budget of pipeline rank `device`: its stages' budgets together."""
         return sum(self.stages[s].budget_bytes for s in self.job.device_stages(device))
@@ -312,17 +321,16 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     # the scatter-gather optimisation, Narayanan et al. 4.1; DeepSpeed sends it whole), over this
     # GPU's own network link
     deepspeed = job.schedule == "deepspeed"
-    boundary = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes
-    boundary /= 1 if deepspeed else job.par.tp
+    boundary = job.boundary_bytes / (1 if deepspeed else job.par.tp)
     one_node = job.gpus <= node.gpus  # then every collective and send stays on the NVLink board
     link_bps = hw.allreduce_busbw.at(boundary) if one_node and hw.allreduce_busbw else node.internode_busbw
     p2p_s = boundary / link_bps if job.pp > 1 else 0.0
     fwd_s, bwd_s = [s.fwd_s for s in stages], [s.bwd_s for s in stages]
-    if job.partition_activations:  # each recomputed region first gathers its input's tp shards again
-        bwd_s = [b + partitioned_gathers_s(job, hw, st) for b, st in zip(bwd_s, stages)]
     if job.zero == 3:  # each micro-batch gathers its parameters and reduce-scatters its gradients itself
         times = [_sharded_times(job, hw, node, st, one_node) for st in stages]
         fwd_s, bwd_s = [t.fwd_s for t in times], [t.bwd_s for t in times]
+    if job.partition_activations:  # each recomputed region first gathers its input's tp shards again
+        bwd_s = [b + partitioned_gathers_s(job, hw, st) for b, st in zip(bwd_s, stages)]
     if deepspeed:
         events = simulate_deepspeed_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s)
     else:
@@ -355,9 +363,7 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
     after the stage's last backward."""
     last = max((e for e in events if e.stage == st.stage and e.kind == "B"), key=lambda e: e.end)
     params = job.region_params(st.stage)
-    bwd = {}
-    for o in st.profile.ops:
-        bwd[o.region] = bwd.get(o.region, 0.0) + o.bwd_s
+    _, bwd = _region_times(st.profile)
     order = sorted(bwd, key=lambda r: -st.profile.region_last_op[r])  # backward visits regions in reverse
     scale = (last.end - last.start) / sum(bwd.values()) if sum(bwd.values()) > 0 else 0.0
     t, done = 0.0, last.start
@@ -365,7 +371,7 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
         done += bwd[r] * scale  # the region's backward ends (recompute and stalls spread evenly)
         nbytes = params.get(r, 0) * GRAD_BYTES
         if nbytes:
-            t = max(t, done if job.overlap_grad_comm else last.end) + _all_reduce_s(hw, node, nbytes, job.dp, one_node)
+            t = max(t, done if job.overlap_grad_comm else last.end) + _collective_s(hw, node, nbytes, job.dp, one_node)
     return max(last.end, t)
 
 
@@ -377,8 +383,7 @@ def partitioned_gathers_s(job: Job, hw, st: StagePlan) -> float:
         return 0.0
     recomputed = {st.profile.region_of(a) for a in st.profile.activations
                   if st.plan.decision[a.key] is Decision.RECOMPUTE}
-    nbytes = job.spec.micro_batch * job.spec.seq * job.spec.hidden * job.spec.dtype_bytes
-    return len(recomputed) * hw.collective_s("all_gather", nbytes, job.par.tp)
+    return len(recomputed) * hw.collective_s("all_gather", job.boundary_bytes, job.par.tp)
 
 
 def tied_reduce_s(job: Job, hw, node: Node, one_node: bool) -> float:
@@ -387,10 +392,10 @@ def tied_reduce_s(job: Job, hw, node: Node, one_node: bool) -> float:
     if job.pp == 1 or not job.spec.tied_embeddings:
         return 0.0
     nbytes = -(-job.spec.vocab // job.par.tp) * job.spec.hidden * GRAD_BYTES
-    return _all_reduce_s(hw, node, nbytes, 2, one_node)
+    return _collective_s(hw, node, nbytes, 2, one_node)
 
 
-def _all_reduce_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool, kind: str = "all_reduce") -> float:
+def _collective_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool, kind: str = "all_reduce") -> float:
     """An all-reduce (or all-gather / reduce-scatter of the whole buffer) over NVLink (the board's
     measured curve) when the job fits on one node, else over each GPU's own network link (nccl-tests'
     2(n-1)/n, or (n-1)/n, of the buffer at its bus bandwidth)."""
@@ -404,23 +409,30 @@ def _sharded_times(job: Job, hw, node: Node, st: StagePlan, one_node: bool) -> s
     """One micro-batch of stage `st` under ZeRO-3: its regions' simulated compute (recompute and
     stalls spread over the regions by their op times) with the gathers and reduce-scatters of
     `sharded`, over the dp ranks."""
-    fwd, bwd = {}, {}
-    for o in st.profile.ops:
-        fwd[o.region] = fwd.get(o.region, 0.0) + o.fwd_s
-        bwd[o.region] = bwd.get(o.region, 0.0) + o.bwd_s
+    fwd, bwd = _region_times(st.profile)
     f_scale = st.fwd_s / sum(fwd.values()) if sum(fwd.values()) > 0 else 0.0
     b_scale = st.bwd_s / sum(bwd.values()) if sum(bwd.values()) > 0 else 0.0
-    gathers = sharded.gather_bytes(job.region_params(st.stage))
+    params = job.region_params(st.stage)
+    gathers = sharded.gather_bytes(params)
     order = sorted(fwd, key=lambda r: st.profile.region_last_op[r])
 
     def collective(kind: str, nbytes: int) -> float:
-        return _all_reduce_s(hw, node, nbytes, job.dp, one_node, kind) if job.dp > 1 else 0.0
+        return _collective_s(hw, node, nbytes, job.dp, one_node, kind) if job.dp > 1 else 0.0
 
     regions = [sharded.RegionWork(r, fwd[r] * f_scale, bwd[r] * b_scale, collective("all_gather", gathers.get(r, 0)),
-                                  collective("reduce_scatter", gathers.get(r, 0) // sharded.GATHER_BYTES_PER_PARAM
-                                             * sharded.REDUCE_BYTES_PER_PARAM))
+                                  collective("reduce_scatter", params.get(r, 0) * sharded.REDUCE_BYTES_PER_PARAM))
                for r in order]
     return sharded.micro_batch_times(regions)
+
+
+def _region_times(profile: StepProfile) -> tuple[dict[str, float], dict[str, float]]:
+    """Forward and backward seconds of each region's ops (the profile's op times, before any plan)."""
+    fwd: dict[str, float] = {}
+    bwd: dict[str, float] = {}
+    for o in profile.ops:
+        fwd[o.region] = fwd.get(o.region, 0.0) + o.fwd_s
+        bwd[o.region] = bwd.get(o.region, 0.0) + o.bwd_s
+    return fwd, bwd
 
 
 def ideal_step_s(job: Job, node: Node, share: Share | None = None) -> float:

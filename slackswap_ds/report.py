@@ -312,7 +312,7 @@ def _stage_lines(planner: str, res: StepResult) -> list[str]:
     for i, s in enumerate(res.stages):
         swap = s.plan.bytes_by_decision(s.profile)[Decision.SWAP]
         lines.append(f"    {i:>5}  {s.layers.start:>3}-{s.layers.stop - 1:<3}  {s.in_flight:>9}  "
-                     f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  {res.peaks[i % res.job.pp] / GB:>7.2f}  "
+                     f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  {res.stage_device_peak(i) / GB:>7.2f}  "
                      f"{s.kept_bytes / GB:>10.2f}  {swap / GB:>10.2f}  {s.result.recompute_s * 1e3:>9.1f}  "
                      f"{s.fwd_s * 1e3:>6.1f}  {s.bwd_s * 1e3:>6.1f}  {s.plan.digest[:12]}")
     return lines

@@ -286,7 +286,7 @@ def job_row(wl: Workload, job: Job, node: Node, budget: Budget, planner: str, re
     return {**row, "step_s": res.step_s, "throughput_pct": 100 * res.throughput, "pipeline_s": res.pipeline_s,
             "grad_comm_s": res.grad_comm_s, "optimizer_s": res.optimizer_s,
             "stages": [{"stage": s.stage, "layers": [s.layers.start, s.layers.stop], "in_flight": s.in_flight,
-                        "keep_all_bytes": s.keep_all_bytes, "budget_bytes": s.budget_bytes, "peak_bytes": res.peaks[i % job.pp],
+                        "keep_all_bytes": s.keep_all_bytes, "budget_bytes": s.budget_bytes, "peak_bytes": res.stage_device_peak(i),
                         "kept_bytes": s.kept_bytes, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
                         "swapped_bytes": s.plan.bytes_by_decision(s.profile)[Decision.SWAP],
                         "recompute_s": s.result.recompute_s, "plan_digest": s.plan.digest}
