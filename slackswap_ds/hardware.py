@@ -19,7 +19,7 @@ benchmark, each with its source), interpolated linearly in log(x) and held flat 
   tensor parallelism.
 
 Optional scalars (a preset without them keeps the plain roofline): ``sm_count`` turns on the GEMM
-*shape* model (`gemm_shape_efficiency`), ``elementwise_bps`` is what memory-bound kernels achieve (a
+*shape* model (`tile_efficiency`, `Hardware.gemm_s`), ``elementwise_bps`` is what memory-bound kernels achieve (a
 STREAM-like copy, below the read bandwidth ``hbm_bps``), ``kernel_overhead_s`` is the fixed time each
 kernel adds (launch and the gap between dependent kernels).
 """

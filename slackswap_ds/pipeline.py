@@ -45,7 +45,8 @@ from dataclasses import dataclass, field
 from . import sharded
 from .budget import budget_bytes
 from .deepspeed_pipe import simulate_deepspeed_pipeline
-from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401 (re-exported)
+# (one_f_one_b, simulate_pipeline and stage_peaks are imported from here too)
+from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401
 from .errors import ProfileError, SlackSwapError
 from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule
@@ -112,7 +113,8 @@ class Job:
         if counts:
             if (not isinstance(counts, tuple) or len(counts) != self.pp
                     or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)):
-                problems.append(f"stage_layer_counts must be {self.pp} positive integers (one per stage), got {counts!r}")
+                problems.append(f"stage_layer_counts must be {self.pp} positive integers (one per stage), "
+                                f"got {counts!r}")
             elif sum(counts) != self.spec.layers:
                 problems.append(f"stage_layer_counts {list(counts)} add up to {sum(counts)}, not the model's "
                                 f"{self.spec.layers} layers")

@@ -306,13 +306,15 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
 
 def _stage_lines(planner: str, res: StepResult) -> list[str]:
     interleaved = " (interleaved: peak GB is the whole device's, all its chunks)" if res.job.chunks > 1 else ""
-    lines = [f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, recompute){interleaved}:",
+    lines = [f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, "
+             f"recompute){interleaved}:",
              "    stage  layers   in-flight  keep-all GB  budget GB  peak GB  kept GB/mb  swap GB/mb  "
              "recomp ms  fwd ms  bwd ms  plan"]
     for i, s in enumerate(res.stages):
         swap = s.plan.bytes_by_decision(s.profile)[Decision.SWAP]
         lines.append(f"    {i:>5}  {s.layers.start:>3}-{s.layers.stop - 1:<3}  {s.in_flight:>9}  "
-                     f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  {res.stage_device_peak(i) / GB:>7.2f}  "
+                     f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  "
+                     f"{res.stage_device_peak(i) / GB:>7.2f}  "
                      f"{s.kept_bytes / GB:>10.2f}  {swap / GB:>10.2f}  {s.result.recompute_s * 1e3:>9.1f}  "
                      f"{s.fwd_s * 1e3:>6.1f}  {s.bwd_s * 1e3:>6.1f}  {s.plan.digest[:12]}")
     return lines

@@ -6,18 +6,21 @@ The embedding and the head are built here, the transformer layer in `layer.py`.
 
 Timing model (a roofline; every constant comes from the `Hardware` preset)
 ------------------------------------------------------------------------
-* Matmul ops (linear layers, QK^T, probs·V, LM head): one GEMM call each, forward time =
-  ``max(flops / hw.gemm_rate(flops), bytes / hw.hbm_bps)``, the rate read off the preset's measured
-  GEMM curve (small GEMMs do not fill the GPU) and ``bytes`` = the input, weight (or second operand)
-  and output, each read or written once. Backward runs two GEMMs of the same size (input and weight
-  gradients): 2x the forward FLOPs and bytes, 2x the time.
+* Matmul ops (linear layers, QK^T, probs·V, LM head): one GEMM call each of a known (batch, m, n, k),
+  forward time = ``max(hw.gemm_s(flops, shape), bytes / hw.hbm_bps)``, the rate read off the preset's
+  measured GEMM curve and, where the preset gives SM counts and the curve's shapes, its shape's tile
+  and wave quantization (`Hardware.gemm_s`); ``bytes`` = the input, weight (or second operand) and
+  output, each read or written once. Backward runs two GEMMs of the same FLOPs (input gradient
+  m x n by n x k, weight gradient k x m by m x n) and twice the bytes.
 * FlashAttention: one fused kernel each way, at the preset's measured attention speed
   (``hw.attention_s``). Forward FLOPs ``4·b·s²·h`` (QK^T and P·V), bytes = q, k, v, output and the
   fp32 log-sum-exp; backward ``2.5x`` the forward FLOPs (it recomputes the scores) and reads q, k,
   v, o, dO, lse and writes dq, dk, dv.
-* Causal masking is counted as no FLOP saving (full ``s²`` scores), for flash and non-flash alike.
+* Causal masking (``ModelSpec.causal``): a fused kernel does only the key blocks at and below the
+  diagonal (`layer.causal_fraction`); unfused attention computes every score (no saving).
 * Elementwise, normalisation, softmax, dropout, RoPE, embedding and cross-entropy ops are HBM-bound:
-  time = bytes read + written / ``hw.hbm_bps``, forward and backward each with its own byte count
+  time = bytes read + written at ``hw.elementwise_s`` (the preset's measured elementwise rate, else
+  ``hbm_bps``), forward and backward each with its own byte count
   (e.g. softmax forward reads x and writes y; backward reads y and dy and writes dx). A residual add's
   backward is charged the gradient sum at the residual fork (read 2, write 1).
 * Tensor parallelism (`Parallel`): collectives are ops of their own on the compute stream (Megatron
@@ -26,6 +29,7 @@ Timing model (a roofline; every constant comes from the `Hardware` preset)
 * Mixture of experts (``experts`` > 1): a router matmul, softmax + top-k, a dispatch copy of each
   token to its ``experts_per_token`` experts, the experts' MLPs on the routed copies (every expert's
   weights read once) and a weighted combine.
+* Every kernel (a GEMM, an HBM-bound op, a collective) adds the preset's ``kernel_overhead_s``.
 * Parameter reads of norms and biases, the optimizer step and data-parallel communication are not
   modelled here (the step is one rank's forward and backward of one micro-batch).
 """

@@ -157,7 +157,11 @@ def _attention_core(builder: CostBuilder, shape: LayerShape, qkv_producers: list
         # the flash output is the output projection's input: one tensor, saved by both ops
         return _Tensor(f"{module}:attn.out", [flash], [q, k, v]), flash
     score_elements = micro_batch * heads_per_rank * seq * seq  # the scores / probabilities
-    scores = builder.matmul(region, module, "scores", (micro_batch * heads_per_rank, seq, seq, head_dim), q_elements + kv_elements + score_elements)
+    # batched GEMMs, one per (sample, head): QK^T is s x d by d x s, P·V is s x s by s x d
+    heads = micro_batch * heads_per_rank
+    av_shape, av_elements = (heads, seq, head_dim, seq), score_elements + kv_elements + q_elements
+    scores = builder.matmul(region, module, "scores", (heads, seq, seq, head_dim),
+                            q_elements + kv_elements + score_elements)
     builder.save(q, q_elements * bytes_per_element, [scores], qkv_producers, [qkv_input])
     builder.save(k, kv_elements * bytes_per_element, [scores], qkv_producers, [qkv_input])
     # fused scale + mask + softmax: forward reads x, writes y; backward reads y and dy, writes dx
@@ -167,13 +171,13 @@ def _attention_core(builder: CostBuilder, shape: LayerShape, qkv_producers: list
     if spec.dropout > 0:
         dropout_bytes = score_elements * (2 * bytes_per_element + MASK_BYTES)
         dropout = builder.hbm(region, module, "attn_dropout", dropout_bytes, dropout_bytes)
-        av = builder.matmul(region, module, "av", (micro_batch * heads_per_rank, seq, head_dim, seq), score_elements + kv_elements + q_elements)
+        av = builder.matmul(region, module, "av", av_shape, av_elements)
         builder.save(softmax_out, score_elements * bytes_per_element, [softmax], [scores, softmax], [q, k])
         builder.save(f"{module}:attn_dropout.mask", score_elements * MASK_BYTES, [dropout], [dropout], [softmax_out])
         builder.save(f"{module}:attn_dropout.out", score_elements * bytes_per_element, [av], [dropout], [softmax_out])
         probs = f"{module}:attn_dropout.out"
     else:
-        av = builder.matmul(region, module, "av", (micro_batch * heads_per_rank, seq, head_dim, seq), score_elements + kv_elements + q_elements)
+        av = builder.matmul(region, module, "av", av_shape, av_elements)
         builder.save(softmax_out, score_elements * bytes_per_element, [softmax, av], [scores, softmax], [q, k])
         probs = softmax_out
     builder.save(v, kv_elements * bytes_per_element, [av], _unrotated(qkv_producers), [qkv_input])
