@@ -79,6 +79,7 @@ class Coordinator:
         self.shares: Shares | None = None  # set by exchange_facts
         self.ledger = None  # channels.StructureLedger, made on first use (compare_structure)
         self.engine_index = next(_ENGINES)  # its keys in the store are this engine's (see _ENGINES)
+        self.program = 0  # how often the model's compilation changed (new_program): its own ledger keys
         log.debug("slackswap: plans agreed over %s; host uplinks from %s", self.via, self.topology.source)
 
     @property
@@ -134,13 +135,18 @@ class Coordinator:
         if self.ledger is None:
             from .channels import StructureLedger
 
-            self.ledger = StructureLedger(prefix=f"slackswap/structure/{self.engine_index}")
+            self.ledger = StructureLedger(prefix=f"slackswap/structure/{self.engine_index}.{self.program}")
         differ = self.ledger.publish(shapes, structure)
         if differ:
             log.warning("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than "
                         "this rank's (%s here; %s): the ranks run different models or code paths on these shapes",
                         self.ledger.rank, shapes, sorted(differ), structure[:12],
                         "; ".join(f"rank {r}: {d[:12]}" for r, d in sorted(differ.items())), extra=EVERY_RANK)
+
+    def new_program(self) -> None:
+        """The model's compilation changed: the structures published for its old program are not
+        compared with the new one's (a rank that has not changed yet would read as another model)."""
+        self.ledger, self.program = None, self.program + 1
 
     # ---- node facts --------------------------------------------------------------------------------
     def exchange_facts(self, local: StepProfile, budget: int, shapes: str, holds: int = 1,

@@ -38,11 +38,16 @@ def _own(function: Callable | None) -> Callable | None:
 
 # ---- deepspeed.initialize ------------------------------------------------------------------------
 def remember_original() -> None:
-    """Keep DeepSpeed's `initialize` if it is imported and not yet rebound (the engine module calls
-    this when it is imported: evaluating ``ss.initialize`` in ``deepspeed.initialize =
-    ss.initialize`` imports it before the assignment happens)."""
+    """Keep DeepSpeed's `initialize` if it is not yet rebound (the engine module calls this when it
+    is imported: evaluating ``ss.initialize`` in ``deepspeed.initialize = ss.initialize`` imports it
+    before the assignment happens). DeepSpeed is imported here if it was not yet: with
+    ``import slackswap_ds`` and ``ss.initialize`` first, ``import deepspeed`` and the assignment
+    after, DeepSpeed's own function would be gone before anything saw it."""
     global _SEEN
-    module = sys.modules.get("deepspeed")
+    try:
+        import deepspeed as module
+    except Exception:  # noqa: BLE001 - not installed, or broken: its own import says why when it is used
+        return
     current = _own(getattr(module, "initialize", None))
     if current is not None and not getattr(current, MARK, False):
         _SEEN = current

@@ -15,6 +15,9 @@ Lifecycle, driven by the engine's own forward and backward (the user's loop does
                                its first step checks the derived sizes), else profiled on its
                                step; or it runs in the shelter (replan = "never")
     eval-mode forwards         left alone (not counted as steps, never profiled or planned)
+    compiled later             a model compiled (or compiled otherwise) after the first step is taken
+                               into the compile layout again, its plans dropped, and it warms up and
+                               is profiled anew, as at the start
 
 How a shape is planned and agreed: coordination.py and plans.py. A PipelineEngine gets per-stage
 plans instead (stages.py).
@@ -35,8 +38,8 @@ from .deepspeed_api import (MARK, compiled_autograd_enabled, config_file_of, con
 from .logs import EVERY_RANK, SayOnce, log, said_once_per_job, setup_logging
 from .plan import Plan
 from .plans import PlanMaker
-from .reporting import StepReports, at_exit, say_agreed_plan, say_own_plan, write_trace
-from .runtime.compiled import CompiledCodeError, check_model
+from .reporting import StepReports, at_exit, say_agreed_plan, say_compiled_anew, say_own_plan, write_trace
+from .runtime.compiled import CompiledCodeError, check_model, compiled_parts
 from .runtime.executor import Executor
 from .runtime.device import device_of
 from .runtime.replay import ReplayError
@@ -92,10 +95,11 @@ def check_compile_section(ds_config: dict) -> None:
                            'plan decides), or "slackswap": {"enabled": false} (DeepCompile decides)'])
 
 
-def take_compiled_model(engine) -> None:
+def take_compiled_model(engine) -> frozenset[str]:
     """The engine's model in SlackSwap's compile layout (runtime/compile_layout.py: each block compiled
-    on its own, said in the log if that changed anything), at initialize and again at the first step
-    (engine.compile() may come in between). What it cannot take stops the job, said once."""
+    on its own, said in the log if that changed anything), at initialize, again at the first step
+    (engine.compile() may come in between) and whenever its compilation changes later; returns its
+    compiled parts then. What it cannot take stops the job, said once."""
     try:
         if deepcompile_active(engine):
             raise CompiledCodeError('DeepCompile ("compile": {"deepcompile": true} and engine.compile()) compiles the '
@@ -106,9 +110,22 @@ def take_compiled_model(engine) -> None:
             raise CompiledCodeError("engine.compile(compiled_autograd_enabled=True) compiles backward, where SlackSwap "
                                     "brings saved tensors back and runs blocks again: leave compiled autograd off "
                                     "under SlackSwap")
-        check_model(engine.module)
+        return check_model(engine.module)
     except CompiledCodeError as e:
         raise said_once_per_job(e) from None
+
+
+def bucketed(multiple: int, module, args: tuple, kwargs: dict) -> dict:
+    """A training forward's keyword inputs padded to `multiple` (bucketing.py; 0: as they are)."""
+    if not multiple or not torch.is_grad_enabled() or not module.training:
+        return kwargs
+    from .bucketing import BucketingError, pad_to_multiple
+
+    if any(isinstance(a, torch.Tensor) for a in args):
+        raise BucketingError("pad_to_multiple pads keyword inputs (engine(input_ids=..., labels=...)); this "
+                             "forward got positional tensors, whose meaning is unknown: pass them by name, or "
+                             "pad in your collator and drop pad_to_multiple")
+    return pad_to_multiple(kwargs, multiple)
 
 
 class SlackSwapRuntime:
@@ -130,6 +147,8 @@ class SlackSwapRuntime:
         self.reports: StepReports | None = None
         self.profiled_steps = 0  # steps this rank profiled (a new shape without a derivable plan)
         self.derived_plans = 0  # plans this rank derived for new shapes instead (derive.py)
+        self.compiled: frozenset[str] = frozenset()  # the model's compiled parts its plans were made for
+        self.warm_until = cfg.profile_steps  # the last warm-up step (later if the compilation changes)
 
     # views for users and tests (the services own these)
     @property
@@ -161,16 +180,18 @@ class SlackSwapRuntime:
 
     # ---- per step ----------------------------------------------------------------------------
     def _before_forward(self, args: tuple, kwargs: dict) -> dict:
-        kwargs = self._bucketed(args, kwargs)
+        kwargs = bucketed(self.cfg.pad_to_multiple, self.module, args, kwargs)
         if not torch.is_grad_enabled() or not self.module.training:
             return kwargs  # evaluation: not ours to manage
         if self.active is not None and not self._end_abandoned_step():
             return kwargs  # a second forward in the same step
         self.steps += 1
         if self.steps == 1:
-            take_compiled_model(self.engine)
+            self.compiled = take_compiled_model(self.engine)
+        elif frozenset(compiled_parts(self.module)) != self.compiled:
+            self._compiled_anew()
         key = self.step_shapes = shape_key(args, kwargs)
-        run = Run.SHELTER if self.steps <= self.cfg.profile_steps else self.shapes.runner_for(key, self.plans.pool)
+        run = Run.SHELTER if self.steps <= self.warm_until else self.shapes.runner_for(key, self.plans.pool)
         if run is Run.PROFILE and self._derived_plan(key):
             run = Run.PLANNED
         if run is Run.SHELTER:
@@ -188,6 +209,19 @@ class SlackSwapRuntime:
         # (checkpoint calls inside the model run inline under both: see runtime/takeover.py)
         self.active.__enter__()
         return kwargs
+
+    def _compiled_anew(self) -> None:
+        """The model was compiled (or its compilation changed) after SlackSwap's first step: its plans
+        were made for another program (a compiled block is one opaque op to them), and SlackSwap's
+        executors do not hook the new compiled parts. Take the model into the compile layout again, drop
+        every plan and warm up and profile anew, as at the job's start (the first compiled steps are
+        Dynamo's compilation: no profile of them)."""
+        before = self.compiled
+        self.compiled = take_compiled_model(self.engine)
+        self.shapes, self.shelter = ShapeCache(self.cfg.max_shapes, self.cfg.replan), None
+        self.warm_until = self.steps + self.cfg.profile_steps - 1
+        self.coordinator.new_program()
+        say_compiled_anew(self.steps, self.compiled, before, self.cfg.profile_steps)
 
     def _end_abandoned_step(self) -> bool:
         """If the running step's forward had no backward (its graph let go: "skip this batch"), end
@@ -224,27 +258,14 @@ class SlackSwapRuntime:
                      self.derived_plans, extra=EVERY_RANK)
 
     def _say_shelter(self, key: ShapeKey) -> None:
-        if self.steps == 1:
+        if self.steps == self.warm_until - self.cfg.profile_steps + 1:
             log.info("slackswap: the first %d step(s) warm up in the shelter: every saved tensor goes to host, so "
                      "device activation memory stays within any budget until the step after them is profiled",
                      self.cfg.profile_steps)
-        elif self.steps > self.cfg.profile_steps and self.cfg.replan == "never":
+        elif self.steps > self.warm_until and self.cfg.replan == "never":
             self.say_once("shelter", logging.WARNING, "slackswap: input shapes %s are new and replan is \"never\": "
                           "steps of new shapes run in the shelter (every saved tensor to host: within the budget, "
                           "slower)", shapes_of(key))
-
-    def _bucketed(self, args: tuple, kwargs: dict) -> dict:
-        """A training forward's keyword inputs padded to `pad_to_multiple` (bucketing.py)."""
-        multiple = self.cfg.pad_to_multiple
-        if not multiple or not torch.is_grad_enabled() or not self.module.training:
-            return kwargs
-        from .bucketing import BucketingError, pad_to_multiple
-
-        if any(isinstance(a, torch.Tensor) for a in args):
-            raise BucketingError("pad_to_multiple pads keyword inputs (engine(input_ids=..., labels=...)); this "
-                                 "forward got positional tensors, whose meaning is unknown: pass them by name, or "
-                                 "pad in your collator and drop pad_to_multiple")
-        return pad_to_multiple(kwargs, multiple)
 
     def _before_backward(self) -> None:
         if isinstance(self.active, ProfileSession):
@@ -265,12 +286,12 @@ class SlackSwapRuntime:
         if key is None:  # the shelter: no plan, its saved tensors were on host
             stats, self.active_plan = context.stats.last_step, None
             self.last_stats = stats
-            self.reports.unplanned("warm-up" if self.steps <= self.cfg.profile_steps else "shelter",
+            self.reports.unplanned("warm-up" if self.steps <= self.warm_until else "shelter",
                                    stats.peak_device_bytes, stats.fallbacks)
             self.shelter_peak = max(self.shelter_peak, stats.peak_device_bytes)
-            if self.steps == self.cfg.profile_steps:
+            if self.steps == self.warm_until:
                 log.info("slackswap: %d warm-up step(s) done in the shelter: peak of saved activations on the "
-                         "device %s B", self.steps, f"{self.shelter_peak:,}")
+                         "device %s B", self.cfg.profile_steps, f"{self.shelter_peak:,}")
             return
         state = self.shapes[key]
         if isinstance(context, ProfileSession):

@@ -17,7 +17,7 @@ from typing import Mapping
 from .config import SlackSwapConfig
 from .files import write_atomically
 from .hardware import Hardware
-from .logs import EVERY_RANK, job_rank, log
+from .logs import EVERY_RANK, SAME_ON_EVERY_RANK, job_rank, log
 from .plan import Plan
 from .plans import Agreed, plan_summary
 from .shapes import Prediction, ShapeState
@@ -101,6 +101,13 @@ def measured_on(device_type: str) -> str:
     """Said beside a prediction whose op times were profiled on something other than a GPU (a CPU
     job's plan is made for a GPU preset's copies, but its compute times are this CPU's)."""
     return "" if device_type == "cuda" else f", with op times measured on this {device_type.upper()}"
+
+
+def say_compiled_anew(step: int, compiled: frozenset[str], before: frozenset[str], warmup_steps: int) -> None:
+    log.warning("slackswap: the model's compilation changed at step %d (compiled parts %s, before %s): the plans "
+                "made for it are dropped, and its input shapes are profiled and planned again after %d warm-up "
+                "step(s) in the shelter. Compile the model before its first step to avoid this",
+                step, sorted(compiled) or "none", sorted(before) or "none", warmup_steps, extra=SAME_ON_EVERY_RANK)
 
 
 def say_own_plan(rank: int, shapes: str, state: ShapeState, how: str, device_type: str) -> None:

@@ -155,9 +155,11 @@ def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_els
         _steps({"plan_file": str(path), "activation_budget": 0.7, "plan_file_mismatch": "error"})
 
 
-def _run_lengths(lengths, config: dict | None = None, backend: str | None = None, compile_after=None):
+def _run_lengths(lengths, config: dict | None = None, backend: str | None = None, compile_after=None,
+                 compile_at: int = 0):
     """Tiny GPT-2 (each block compiled by `backend`, if given; `compile_after(model)` once the runtime
-    attached, if given), one step per sequence length, through the runtime's lifecycle with `config`
+    attached, before step `compile_at` (0-based), if given), one step per sequence length, through the
+    runtime's lifecycle with `config`
     (profile_steps 1 on an A100 preset) or, with None, without SlackSwap: losses, final gradients,
     the runtime, and each planned step's (peak, budget)."""
     import torch
@@ -173,11 +175,11 @@ def _run_lengths(lengths, config: dict | None = None, backend: str | None = None
         runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
                                                                       "profile_steps": 1, **config}}))
         runtime.attach()
-    if compile_after is not None:
-        compile_after(model)
     torch.manual_seed(1)
     losses, peaks = [], []
-    for seq in lengths:
+    for step, seq in enumerate(lengths):
+        if compile_after is not None and step == compile_at:
+            compile_after(model)
         ids = torch.randint(1, 128, (2, seq))
         loss = engine.forward(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -1033,6 +1035,30 @@ def test_a_model_compiled_after_initialize_is_compiled_per_block_and_trains_as_b
     else:
         assert "transformer.wte (module.compile(), backend aot_eager) runs eagerly (it is outside the block " \
                "stacks)" in said[0] and "lm_head" in said[0]
+
+
+def test_a_model_compiled_after_its_first_planned_steps_is_planned_anew_and_trains_as_the_same_compiled_job(caplog):
+    """engine.compile() in the middle of training (after the warm-up, a profiled step and a planned
+    one): Dynamo would trace SlackSwap's hooks inside the new graph (it crashed: "no_dispatch()"), and
+    the old plan is for the eager program. The runtime sees the compilation change before that step,
+    takes the model into its compile layout, drops its plans and warms up and profiles again: every
+    loss and the final gradients equal the same job without SlackSwap, every planned step within budget."""
+    import logging
+
+    import torch
+
+    def compile_it(model):
+        model.compile(backend="aot_eager")
+
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        losses, grads, runtime, peaks = _run_lengths([16] * 7, {"activation_budget": 0.9}, compile_after=compile_it,
+                                                     compile_at=3)
+    plain_losses, plain_grads, _, _ = _run_lengths([16] * 7, None, compile_after=compile_it, compile_at=3)
+    assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+    assert len(peaks) == 3 and all(peak <= budget for peak, budget in peaks), peaks  # steps 3, 6 and 7
+    said = [r.getMessage() for r in caplog.records if "compilation changed at step" in r.getMessage()]
+    assert len(said) == 1 and "changed at step 4 (compiled parts ['transformer.h.0', 'transformer.h.1']" in said[0]
+    assert runtime.profiled_steps == 2  # the eager program's shapes, then the compiled one's
 
 
 def test_deepcompile_offload_activation_beside_an_enabled_section_is_a_config_error():

@@ -195,6 +195,19 @@ def test_rebinding_deepspeed_initialize_by_hand_does_not_recurse():
         deepspeed.initialize = bound
 
 
+def test_rebinding_by_hand_after_importing_slackswap_first_still_finds_deepspeeds_own():
+    """``import slackswap_ds``, ``ss.initialize`` (imports the engine), then ``import deepspeed`` and
+    ``deepspeed.initialize = ss.initialize``: DeepSpeed's own initialize is still found (it was
+    lost: the engine was imported before DeepSpeed, and the assignment came before any look)."""
+    code = ("import slackswap_ds as ss\ninit = ss.initialize\nimport deepspeed\ndeepspeed.initialize = ss.initialize\n"
+            "from slackswap_ds.deepspeed_api import original_initialize\n"
+            "print(original_initialize().__module__, original_initialize() is not ss.initialize)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "deepspeed True"
+
+
 def test_run_hands_the_script_its_arguments(tmp_path):
     script = tmp_path / "show.py"
     script.write_text("import sys, json, deepspeed, slackswap_ds as ss\n"

@@ -58,7 +58,8 @@ def dynamo_never_compiles(*fns: Callable) -> None:
     there as a function of its own (tracing SlackSwap's pack hook as the identity: those saves went
     unseen by the plan and the budget; measured on torch 2.13 with Mixtral's blocks). Uses Dynamo's
     per-code execution strategy (torch 2.6+); without it, nothing changes. Before anything imported
-    Dynamo nothing is compiled, and importing it costs seconds: then nothing to do."""
+    Dynamo nothing is compiled, and importing it costs seconds: then nothing to do (a model compiled
+    after its executor was made is refused when the executor is entered: check_unchanged)."""
     if "torch._dynamo" not in sys.modules:
         return
     try:
@@ -94,6 +95,20 @@ class CompiledLayers:
         self._saved = saved  # the executor's (pack, unpack): called from compiled blocks' eager parts too
         dynamo_never_compiles(*saved)
         self.around = self._said_around = False  # the model called from compiled code it was not given
+
+    def check_unchanged(self, model: nn.Module) -> None:
+        """CompiledCodeError if `model`'s compiled parts are not those it had when this was made: a
+        plan made before the model was compiled (or compiled otherwise) is for another program, and
+        Dynamo would trace SlackSwap's hooks inside the new compiled code."""
+        now = frozenset(compiled_parts(model))
+        if now != self.paths:
+            def named(paths):
+                return ", ".join(path or "the whole model" for path in sorted(paths)) or "none"
+            raise CompiledCodeError(
+                f"{type(model).__name__} was compiled after SlackSwap took it (compiled parts now: {named(now)}; "
+                f"when its plan was made: {named(self.paths)}): "
+                f"the plan is for the program it had then. Compile the model first, then profile and plan it "
+                f"(ss.profile_step, ss.plan, ss.apply); ss.initialize's engine does this by itself")
 
     def model_called(self) -> None:
         """The model's forward pre-hook ran: if Dynamo is tracing it, compiled code SlackSwap was not

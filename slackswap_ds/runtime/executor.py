@@ -143,8 +143,7 @@ class Executor:
     @classmethod
     def profiling(cls, model: nn.Module, observer: Observer | None, *, keep_bytes: int = 0,
                   pool: HostPool | None = None, device: Device | None = None) -> Executor:
-        """No plan: saves stay on the device up to `keep_bytes` (default 0), the rest go to host and
-        back; `observer` hears of every save and unpack (see the module docstring)."""
+        """No plan: saves kept on the device up to `keep_bytes`, the rest to host and back; `observer` hears of each."""
         return cls(model, pool=pool, device=device, observer=observer, keep_bytes=keep_bytes)
 
     @classmethod
@@ -236,6 +235,7 @@ class Executor:
             # references keep a storage that ZeRO-3 replaces from handing its address to an activation.
             self._params = {st._cdata: StorageWeakRef(st) for st in
                             (t.untyped_storage() for t in (*self.model.parameters(), *self.model.buffers()))}
+        self.compiled.check_unchanged(self.model)
         stack = contextlib.ExitStack()
         try:
             if self.takeover:

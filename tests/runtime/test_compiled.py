@@ -195,6 +195,19 @@ def test_a_compiled_wrapper_slackswap_was_not_given_is_said_and_trains_exactly(c
     assert len(said) == 1 and "Give SlackSwap the compiled module itself" in said[0]
 
 
+def test_a_plan_made_before_the_model_was_compiled_is_refused_when_the_compiled_model_runs_it():
+    """ss.apply's executor made for the eager model, then model.compile(): the plan is for the eager
+    program, and Dynamo would trace SlackSwap's hooks inside the new graph (it crashed there, "no_dispatch()").
+    Entering the executor says what changed and what to do, before anything runs."""
+    model, batch = build("gpt2")
+    prof = profile(model, zoo.step, batch)
+    ex = ss.apply(model, ss.plan(prof, "a100-80g-pcie4", 0.5), prof)
+    model.compile(backend="aot_eager")
+    with pytest.raises(CompiledCodeError, match=r"compiled after SlackSwap took it \(compiled parts now: the whole "
+                                                r"model; when its plan was made: none\).*Compile the model first"):
+        run(model, zoo.step, batch, ex)
+
+
 def test_a_part_compiled_by_something_else_is_refused_by_name():
     """`_compiled_call_impl` set by something other than module.compile(): its settings cannot be read
     to compile the blocks instead, so SlackSwap stops, naming it and what to do."""
