@@ -8,7 +8,8 @@ running statistics), and how to see a tensor again over a storage (`meta_of`, `r
 answers per op are cached: each op is asked about on every call.
 
 `no_dispatch` is how the runtime does its own tensor work (copies, views over storages) without
-any dispatch mode (the tracer, a Recorder, a ReplayMode) seeing it.
+any dispatch mode (the tracer, a Recorder, a ReplayMode) seeing it. Those modes are `RuntimeMode`s:
+code compiled by torch.compile that a layer calls runs compiled under them, as without SlackSwap.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Iterator
 
 import torch
 from torch._ops import OpOverload
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FREE_OPS", "arg_at", "by_value", "bytes_of", "generator_of", "is_compute", "is_random", "meta_of",
+__all__ = ["FREE_OPS", "RuntimeMode", "arg_at", "by_value", "bytes_of", "generator_of", "is_compute", "is_random", "meta_of",
            "mutated_args", "no_dispatch", "rebuild", "tensors_in", "written_args"]
 
 no_dispatch = torch._C._DisableTorchDispatch  # our own tensor work: invisible to every dispatch mode
@@ -30,6 +32,24 @@ FREE_OPS = frozenset({"detach", "alias", "lift_fresh", "sym_size", "sym_stride",
 # Ops that write into arguments their schema does not mark (``Tensor?`` running statistics of
 # batch norm, updated in place by the kernel): argument positions, by op name.
 _UNMARKED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
+
+
+
+class RuntimeMode(TorchDispatchMode):
+    """A dispatch mode of the runtime under which compiled code still runs compiled. Dynamo runs a
+    compiled function called under any other mode eagerly ("non-infra torch dispatch mode present"):
+    a `torch.compile`d function inside an eager layer (an activation, HF's compiled flex attention)
+    then ran other kernels and, with inductor, drew other dropout masks than the user's compiled
+    model (the loss differed, under every plan). With this, the mode is off while Dynamo compiles and
+    sees what the compiled code dispatches when it runs (its extern kernels); a replay meets the same
+    ops, the saves its fused kernels make have no recorded maker (recomputing one is a logged swap),
+    and a recompute that differs (random numbers drawn inside compiled code) is caught by the first
+    step's verification and re-planned."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
 
 _COMPUTE: dict[OpOverload, bool] = {}
 _RANDOM: dict[OpOverload, bool] = {}

@@ -73,17 +73,16 @@ def _forward_compiled(module: nn.Module) -> bool:
 
 
 def compiled_parts(model: nn.Module) -> list[str]:
-    """Paths of the outermost compiled modules of `model` ("" for the model itself)."""
+    """Paths of the outermost compiled modules of `model` ("" for the model itself). (A walk with a
+    stack: a recursive closure is a reference cycle, garbage for the collector at every step.)"""
     found: list[str] = []
-
-    def visit(module: nn.Module, path: str) -> None:
+    stack = [("", model)]
+    while stack:
+        path, module = stack.pop()
         if is_compiled(module):
             found.append(path)
-            return
-        for name, child in module.named_children():
-            visit(child, f"{path}.{name}" if path else name)
-
-    visit(model, "")
+            continue
+        stack += reversed([(f"{path}.{name}" if path else name, child) for name, child in module.named_children()])
     return found
 
 

@@ -42,10 +42,9 @@ from typing import Callable, ContextManager, Protocol
 
 import torch
 from torch._ops import OpOverload
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import SlackSwapError
-from .aten import (arg_at, by_value, generator_of, is_compute, is_random, meta_of, mutated_args, no_dispatch,
+from .aten import (RuntimeMode, arg_at, by_value, generator_of, is_compute, is_random, meta_of, mutated_args, no_dispatch,
                    written_args)
 from .compiled import dynamo_never_compiles
 from .flat import flatten, unflatten
@@ -81,7 +80,7 @@ def autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
     return out
 
 
-class Recorder(TorchDispatchMode):
+class Recorder(RuntimeMode):
     """Active inside one recorded layer call in forward (see the module docstring). `on_output`
     hears of every tensor output: (call, op, output index, tensor)."""
 
@@ -131,7 +130,7 @@ class ReplaySource(Protocol):
         """Op k of `call` ran for real (not handed back from saved entries)."""
 
 
-class ReplayMode(TorchDispatchMode):
+class ReplayMode(RuntimeMode):
     """Re-runs a recorded call in backward (see the module docstring).
 
     `source` hands it the saved entries and takes what it regenerates; `rerun` are the op indices

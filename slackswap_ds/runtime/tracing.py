@@ -25,9 +25,8 @@ from typing import Callable
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from .aten import by_value, is_compute, mutated_args, tensors_in
+from .aten import RuntimeMode, by_value, is_compute, mutated_args, tensors_in
 from .flat import flatten
 from .naming import op_key
 from .timeline import Timeline
@@ -83,7 +82,7 @@ def _reads_only_shapes(name: str) -> bool:
     return name.endswith("_like") or name.startswith("new_")
 
 
-class StepTracer(TorchDispatchMode):
+class StepTracer(RuntimeMode):
     """Trace steps run by an executor (see the module docstring).
 
     `region` returns the label of the region running now (the executor's RegionTracker);

@@ -154,6 +154,39 @@ def test_the_same_blocks_uncompiled_are_still_planned_as_before():
     assert any(a.recomputable for a in prof.activations)
 
 
+def test_a_compiled_function_inside_an_eager_layer_runs_compiled_under_every_plan(caplog):
+    """A `torch.compile`d function (inductor, dropout inside) called by eager layers, as HF calls its
+    compiled flex attention: under SlackSwap's dispatch modes Dynamo ran it eagerly, and the loss
+    differed under every plan (other dropout masks). Now it runs compiled: loss and every gradient
+    equal the model without SlackSwap; a recompute of its output, whose random numbers a replay
+    cannot redraw, is caught by the first step's verification, said and re-planned."""
+    import logging
+
+    import torch.nn.functional as F
+
+    model, batch = zoo.ZOO["llama"].build(torch.float32)
+    model = without_caches(model)
+
+    def activation(x):
+        return F.dropout(F.silu(x), 0.1, training=True) * 1.5
+
+    compiled = torch.compile(activation, backend="inductor")
+    for layer in model.model.layers:
+        del layer.mlp.act_fn  # (a submodule: nn.Module refuses a function in its place)
+        layer.mlp.act_fn = compiled
+    reference = run(model, zoo.step, batch)
+    prof = profile(model, zoo.step, batch)
+    plans = [ss.plan(prof, "a100-80g-pcie4", 0.5), ss.plan(prof, "a100-80g-pcie4", 0.5, planner="full-recompute"),
+             random_plan(prof, 0)]
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        for plan in plans:
+            ex = ss.apply(model, plan, prof)
+            assert_exact(run(model, zoo.step, batch, ex), reference)
+            assert_exact(run(model, zoo.step, batch, ex), reference)
+            assert ex.stats.last_step.peak_device_bytes <= plan.budget_bytes
+    assert any("did not replay exactly" in r.getMessage() for r in caplog.records)
+
+
 def test_a_compiled_part_inside_a_block_makes_the_block_compiled_and_is_said(caplog):
     """`h[1].mlp` compiled inside an eager block: SlackSwap compiles block h.1 whole with its settings
     instead (and says so); every plan exact (aot_eager: the same numbers in either layout)."""
