@@ -44,7 +44,14 @@ class RuntimeMode(TorchDispatchMode):
     sees what the compiled code dispatches when it runs (its extern kernels); a replay meets the same
     ops, the saves its fused kernels make have no recorded maker (recomputing one is a logged swap),
     and a recompute that differs (random numbers drawn inside compiled code) is caught by the first
-    step's verification and re-planned."""
+    step's verification and re-planned.
+
+    A higher-order operator that reaches the mode (the `run_with_rng_state` of a compiled block's
+    backward under activation checkpointing, flex attention run eagerly) runs as it is: it is not a
+    compute op (`is_compute`), so it is neither numbered nor recorded, and a replay runs it again.
+    Without this, torch raised "no rule registered for HigherOrderOperator"."""
+
+    supports_higher_order_operators = True
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -58,9 +65,11 @@ _WRITES: dict[OpOverload, tuple[int, ...]] = {}
 
 
 def is_compute(func: OpOverload) -> bool:
+    """A numbered op (not a view, alias or shape query; not a higher-order operator: RuntimeMode)."""
     out = _COMPUTE.get(func)
     if out is None:
-        out = _COMPUTE[func] = not (func.is_view or func.overloadpacket.__name__ in FREE_OPS)
+        out = _COMPUTE[func] = isinstance(func, OpOverload) and not (func.is_view or
+                                                                     func.overloadpacket.__name__ in FREE_OPS)
     return out
 
 

@@ -18,6 +18,7 @@ its layer call, or saved in a gap between calls, has no producers: it can be kep
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Callable
 
@@ -32,6 +33,8 @@ from .naming import is_gap
 from .tracing import StepTracer, TracedSave
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
+log = logging.getLogger("slackswap_ds")
+_SAID: set[tuple[str, ...]] = set()  # the layer sets said to call compiled code (once each per process)
 
 
 def _sync_timer(device: torch.device) -> Callable[[], float]:
@@ -114,15 +117,29 @@ def build_profile(tracer: StepTracer, name: str, arguments: dict[str, list[str]]
     saves = tracer.saves
     users = {s.key: _users(tracer, s) for s in saves}
     regen = _Regeneration(tracer, users, arguments or {})
+    unseen = tracer.compiled_in  # layers whose eager code called compiled code: a replay cannot redo it
     activations = []
     for s in saves:
-        producers, deps = regen.of(s)
+        producers, deps = ((), ()) if s.region in unseen else regen.of(s)
         activations.append(Activation(s.key, tracer.storages[s.sid].nbytes, tuple(sorted(users[s.key])),
                                       producers, deps, s.shape))
     meta = {"source": "measured", "layers": str(len({o.region for o in ops if not is_gap(o.region)}))}
     if peak_bytes is not None:
         meta["profiled_peak_bytes"] = str(peak_bytes)
+    if unseen:
+        meta["compiled_code_in"] = ",".join(sorted(unseen))
+        _say_compiled_code_in(sorted(unseen))
     return StepProfile(name, profile_ops, tuple(activations), tuple(meta.items()))
+
+
+def _say_compiled_code_in(regions: list[str]) -> None:
+    if tuple(regions) in _SAID:
+        return
+    _SAID.add(tuple(regions))
+    log.warning("slackswap: %d layer(s) call compiled code (a torch.compile'd function) from their eager code (%s): "
+                "a replay cannot see inside it, so their saved tensors are kept or swapped, never recomputed. To "
+                "have them recomputed, compile each such layer whole (blocks[i] = torch.compile(blocks[i]))",
+                len(regions), ", ".join(regions[:4]) + (", ..." if len(regions) > 4 else ""))
 
 
 def _users(tracer: StepTracer, save: TracedSave) -> set[int]:

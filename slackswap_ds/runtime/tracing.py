@@ -14,11 +14,18 @@ a step runs under it, it
   whether a pack came before or after its op ran). A saved tensor that backward never reads is
   attributed to the op that saved it at pack time.
 
+It also watches the forward's Python calls (`sys.setprofile`) for compiled code that an eager
+layer calls (a `torch.compile`d function): `compiled_in` are those layers' regions. A replay cannot
+see inside such code (its fused kernels write into buffers whose allocation alone is dispatched), so
+their saved tensors are never recomputed (profiler.build_profile).
+
 Only the profiled step pays for this (a Python call per op); steps under a plan run without it.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -73,6 +80,9 @@ class TracedSave:
     users: set[int] = field(default_factory=set)  # ops whose backward unpacked it
 
 
+_DYNAMO_WRAPPERS = os.path.join("_dynamo", "eval_frame.py")  # where compile_wrapper is defined
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -109,6 +119,30 @@ class StepTracer(RuntimeMode):
         self._last_outputs: list[torch.Tensor] = []
         self._opaque: tuple[TracedOp, float, float, set[int]] | None = None  # the compiled call running now
         self._opaque_bwd_start: float | None = None
+        self.compiled_in: set[str] = set()  # regions whose eager code called compiled code (_watch_calls)
+        self._watching = False
+
+    # ---- compiled code inside eager layers ----------------------------------------------------------
+    def __enter__(self):
+        if sys.getprofile() is None:  # (another Python profiler keeps its hook; nothing is watched then)
+            sys.setprofile(self._watch_calls)
+            self._watching = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._watching:
+            sys.setprofile(None)
+            self._watching = False
+        return super().__exit__(*exc)
+
+    def _watch_calls(self, frame, event: str, arg) -> None:
+        """A call of a torch.compile'd function (Dynamo's compile_wrapper) in forward, outside a
+        compiled layer's call (those are run again whole), marks the region it runs in."""
+        if event != "call" or frame.f_code.co_name != "compile_wrapper":
+            return
+        if (frame.f_code.co_filename.endswith(_DYNAMO_WRAPPERS) and self._opaque is None and not self.closed
+                and not self.forward_done and not _in_backward()):
+            self.compiled_in.add(self.region())
 
     # ---- the executor's reports -------------------------------------------------------------------
     def step_closed(self) -> None:
