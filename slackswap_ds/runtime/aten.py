@@ -20,8 +20,8 @@ import torch
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["FREE_OPS", "RuntimeMode", "arg_at", "by_value", "bytes_of", "generator_of", "is_compute", "is_random", "meta_of",
-           "mutated_args", "no_dispatch", "rebuild", "tensors_in", "written_args"]
+__all__ = ["FREE_OPS", "RuntimeMode", "arg_at", "by_value", "bytes_of", "generator_of", "is_compute", "is_random",
+           "meta_of", "mutated_args", "no_dispatch", "rebuild", "tensors_in", "written_args"]
 
 no_dispatch = torch._C._DisableTorchDispatch  # our own tensor work: invisible to every dispatch mode
 
@@ -34,17 +34,15 @@ FREE_OPS = frozenset({"detach", "alias", "lift_fresh", "sym_size", "sym_stride",
 _UNMARKED_WRITES = {"native_batch_norm": (3, 4), "cudnn_batch_norm": (3, 4), "miopen_batch_norm": (3, 4)}
 
 
-
 class RuntimeMode(TorchDispatchMode):
     """A dispatch mode of the runtime under which compiled code still runs compiled. Dynamo runs a
     compiled function called under any other mode eagerly ("non-infra torch dispatch mode present"):
     a `torch.compile`d function inside an eager layer (an activation, HF's compiled flex attention)
     then ran other kernels and, with inductor, drew other dropout masks than the user's compiled
     model (the loss differed, under every plan). With this, the mode is off while Dynamo compiles and
-    sees what the compiled code dispatches when it runs (its extern kernels); a replay meets the same
-    ops, the saves its fused kernels make have no recorded maker (recomputing one is a logged swap),
-    and a recompute that differs (random numbers drawn inside compiled code) is caught by the first
-    step's verification and re-planned.
+    sees only what the compiled code dispatches when it runs (its extern kernels, the allocation of
+    buffers its fused kernels then write unseen): a replay cannot redo such code, so the profiled step
+    finds the layers that call it (tracing.StepTracer.compiled_in) and they are never recomputed.
 
     A higher-order operator that reaches the mode (the `run_with_rng_state` of a compiled block's
     backward under activation checkpointing, flex attention run eagerly) runs as it is: it is not a

@@ -117,7 +117,7 @@ def build_profile(tracer: StepTracer, name: str, arguments: dict[str, list[str]]
     saves = tracer.saves
     users = {s.key: _users(tracer, s) for s in saves}
     regen = _Regeneration(tracer, users, arguments or {})
-    unseen = tracer.compiled_in  # layers whose eager code called compiled code: a replay cannot redo it
+    unseen = {r for r in tracer.compiled_in if not is_gap(r)}  # layers that called compiled code: not replayable
     activations = []
     for s in saves:
         producers, deps = ((), ()) if s.region in unseen else regen.of(s)

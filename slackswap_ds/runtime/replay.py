@@ -44,8 +44,8 @@ import torch
 from torch._ops import OpOverload
 
 from ..errors import SlackSwapError
-from .aten import (RuntimeMode, arg_at, by_value, generator_of, is_compute, is_random, meta_of, mutated_args, no_dispatch,
-                   written_args)
+from .aten import (RuntimeMode, arg_at, by_value, generator_of, is_compute, is_random, meta_of, mutated_args,
+                   no_dispatch, written_args)
 from .compiled import dynamo_never_compiles
 from .flat import flatten, unflatten
 from .records import CallRecord, Entry, OpRecord
