@@ -24,6 +24,7 @@ Only the profiled step pays for this (a Python call per op); steps under a plan 
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -81,6 +82,7 @@ class TracedSave:
 
 
 _DYNAMO_WRAPPERS = os.path.join("_dynamo", "eval_frame.py")  # where compile_wrapper is defined
+log = logging.getLogger("slackswap_ds")
 
 
 def _in_backward() -> bool:
@@ -124,9 +126,13 @@ class StepTracer(RuntimeMode):
 
     # ---- compiled code inside eager layers ----------------------------------------------------------
     def __enter__(self):
-        if sys.getprofile() is None:  # (another Python profiler keeps its hook; nothing is watched then)
+        if sys.getprofile() is None:
             sys.setprofile(self._watch_calls)
             self._watching = True
+        else:  # another Python profiler keeps its hook (it cannot be chained to)
+            log.warning("slackswap: a Python profiler (sys.setprofile) is active during the profiled step, so "
+                        "SlackSwap cannot see whether eager layers call compiled code (their saves must not be "
+                        "recomputed): profile without it if any layer calls a torch.compile'd function")
         return super().__enter__()
 
     def __exit__(self, *exc):

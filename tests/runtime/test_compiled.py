@@ -189,6 +189,27 @@ def test_a_compiled_function_inside_an_eager_layer_runs_compiled_under_every_pla
     assert not any(a.recomputable for a in prof.activations if a.key.startswith("model.layers."))
 
 
+def test_a_python_profiler_already_set_during_the_profiled_step_is_said_and_left_in_place(caplog):
+    """The profiled step watches forward's Python calls for compiled code inside eager layers; another
+    profiler's hook cannot be chained to, so it stays, and the log says what SlackSwap cannot see."""
+    import logging
+    import sys
+
+    model, batch = zoo.ZOO["gpt2-sdpa"].build(torch.float32)
+
+    def theirs(frame, event, arg):
+        return None
+
+    sys.setprofile(theirs)
+    try:
+        with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+            profile(without_caches(model), zoo.step, batch)
+        assert sys.getprofile() is theirs
+    finally:
+        sys.setprofile(None)
+    assert any("a Python profiler (sys.setprofile) is active" in r.getMessage() for r in caplog.records)
+
+
 def test_blocks_compiled_under_hugging_faces_gradient_checkpointing_are_planned_exactly():
     """HF's gradient checkpointing around blocks compiled each on its own: each compiled block's
     backward recomputes its dropout through the `run_with_rng_state` higher-order operator, which
