@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..profile import Activation, Op, StepProfile
+from .compile_layout import SAID_ONCE_PER_JOB
 from .device import device_of
 from .executor import Executor
 from .stats import StepStats
@@ -139,7 +140,7 @@ def _say_compiled_code_in(regions: list[str]) -> None:
     log.warning("slackswap: %d layer(s) call compiled code (a torch.compile'd function) from their eager code (%s): "
                 "a replay cannot see inside it, so their saved tensors are kept or swapped, never recomputed. To "
                 "have them recomputed, compile each such layer whole (blocks[i] = torch.compile(blocks[i]))",
-                len(regions), ", ".join(regions[:4]) + (", ..." if len(regions) > 4 else ""))
+                len(regions), ", ".join(regions[:4]) + (", ..." if len(regions) > 4 else ""), extra=SAID_ONCE_PER_JOB)
 
 
 def _users(tracer: StepTracer, save: TracedSave) -> set[int]:
