@@ -4,7 +4,7 @@ Layers, bottom up: a module imports from its own layer or a lower one, never a h
 import cycles; no module imports another module's underscore names; core and planning import no
 torch (tests/test_structure.py holds the package to this block):
 
-    core         errors files budget profile derive hardware plan model_config workloads
+    core         errors files budget profile derive attention_rates hardware plan model_config workloads
     planning     simulator planners schedules sharded deepspeed_pipe pipeline report
     runtime      runtime checkpointing bucketing topology dist channels agreement planfile
     integration  config logs deepspeed_api machine coordination shapes plans reporting api engine stages routing run autoroute
@@ -17,6 +17,7 @@ The map, one line per module (README.md, "What is in the box", says more):
     budget          budgets and sizes: the one parser; a fraction of the keep-all peak -> bytes
     profile         StepProfile, Op, Activation; canonical JSON and digests
     derive          a profile of new input shapes from a measured one (sequence, batch)
+    attention_rates measured fused-attention speed by kernel, mask, head dim and sequence length
     hardware        GPU and node presets (configs/hardware/), each number with its source
     plan            Decision, Plan, and its lowering to a per-stream Schedule
     model_config    a Hugging Face config.json as a ModelSpec

@@ -11,8 +11,10 @@ benchmark, each with its source), interpolated linearly in log(x) and held flat 
   GPU; one constant efficiency would over-predict small models and cap large ones. A preset gives
   either this curve or the scalar ``matmul_efficiency``, never both. Its optional ``"shapes"`` (one
   ``[batch, m, n, k]`` per point, 2·b·m·n·k = x) with the scalar ``sm_count`` time GEMMs by shape.
-* ``flash_attention_flops``: x = FLOPs of one fused attention kernel, y = FLOP/s (FlashAttention runs
-  well below GEMM speed); without it, fused attention runs at the GEMM curve's speed.
+* ``flash_attention_flops``: x = FLOPs of one fused attention kernel, y = FLOP/s, one speed for every
+  kernel and shape. A preset gives this curve or the ``"attention"`` section (`attention_rates`: by
+  kernel, mask, head dim and sequence length), never both; with neither, fused attention runs at the
+  GEMM curve's speed.
 * ``allreduce_busbw``: x = message bytes, y = NCCL all-reduce *bus* bandwidth among the GPUs of one
   NVLink/NVSwitch board (nccl-tests' busbw: time = bytes * 2(n-1)/n / busbw for an all-reduce,
   bytes * (n-1)/n / busbw for an all-gather or reduce-scatter of the full buffer). Needed only by
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from .attention_rates import AttentionRates, AttentionShape, parse_attention
 from .errors import InvalidFileError, UnknownNameError
 from .files import read_json
 
@@ -114,7 +117,8 @@ class Hardware:
     sources: tuple[tuple[str, str], ...] = ()
     gemm_flops: Curve | None = None  # achieved FLOP/s by GEMM size; replaces matmul_efficiency
     allreduce_busbw: Curve | None = None  # NCCL bus bandwidth by message size on the NVLink board
-    flash_attention_flops: Curve | None = None  # achieved FLOP/s of fused attention kernels
+    flash_attention_flops: Curve | None = None  # achieved FLOP/s of fused attention kernels, one speed
+    attention_rates: AttentionRates | None = None  # ... or by kernel and shape (`attention_rates`)
     gemm_shapes: tuple[GemmShape, ...] = ()  # the (batch, m, n, k) of each gemm_flops point
     sm_count: int = 0  # streaming multiprocessors; 0: GEMM speed by FLOPs only, not by shape
     elementwise_bps: float = math.nan  # what memory-bound kernels achieve; nan: hbm_bps
@@ -165,11 +169,24 @@ class Hardware:
         rate = self.hbm_bps if math.isnan(self.elementwise_bps) else self.elementwise_bps
         return nbytes / rate
 
-    def attention_s(self, flops: float) -> float:
-        """Seconds of one fused (flash) attention kernel of `flops`."""
+    def attention_s(self, flops: float, shape: AttentionShape) -> float:
+        """Seconds of one fused (flash) attention kernel doing `flops` at `shape`: the measured rate
+        of its kernel, else FlashAttention-2's (`attention_kernel_measured` tells), else the one-speed
+        curve, else GEMM speed."""
+        if flops <= 0:
+            return 0.0
+        if self.attention_rates is not None:
+            for kernel in (shape.kernel, "fa2"):
+                s = self.attention_rates.seconds(flops, dataclasses.replace(shape, kernel=kernel))
+                if s is not None:
+                    return s
         if self.flash_attention_flops is None:
             return self.gemm_s(flops)
-        return flops / self.flash_attention_flops.at(flops) if flops > 0 else 0.0
+        return flops / self.flash_attention_flops.at(flops)
+
+    def attention_kernel_measured(self, kernel: str) -> bool:
+        """Whether this GPU's preset has measured speeds of `kernel` (else FA2's stand in for it)."""
+        return self.attention_rates is not None and kernel in self.attention_rates.kernels
 
     def collective_s(self, kind: str, nbytes: float, ranks: int) -> float:
         """Seconds of one NCCL collective over `ranks` GPUs of the NVLink board; `nbytes` is the
@@ -201,6 +218,8 @@ class Hardware:
         curves = {k: [list(p) for p in c.points] for k, c in self.curves().items()}
         if self.gemm_shapes:
             curves["gemm_shapes"] = [list(sh) for sh in self.gemm_shapes]
+        if self.attention_rates is not None:
+            curves["attention"] = self.attention_rates.to_json()
         return _digest({"kind": "gpu", "name": self.name, **self.params(), **({"curves": curves} if curves else {})})
 
     def curves(self) -> dict[str, Curve]:
@@ -349,6 +368,12 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
         raise InvalidFileError(f"hardware file {str(path)!r}: give the gemm_flops curve or matmul_efficiency, "
                                f"not both (one owner for matmul speed)")
     values, sources = _params(data, path, expected, {"sm_count"}, _OPTIONAL_GPU_PARAMS)
+    if "attention" in data:
+        if "flash_attention_flops" in curves:
+            raise InvalidFileError(f"hardware file {str(path)!r}: give the flash_attention_flops curve or the "
+                                   f"attention section, not both (one owner for attention speed)")
+        curves["attention_rates"] = parse_attention(data["attention"], path, STATUSES)
+        sources += (("attention", curves["attention_rates"].source),)
     values.setdefault("matmul_efficiency", math.nan)  # unused: the curve gives GEMM speed
     if values["matmul_efficiency"] > 1:
         raise InvalidFileError(f"hardware file {str(path)!r}: matmul_efficiency must be in (0, 1]")

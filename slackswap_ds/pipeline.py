@@ -17,8 +17,8 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
   `plan_stage` asks the planners for exactly that (`holds` = k_i): dropping a tensor then helps
   k_i - 1 times over, the last region's too.
 * Data-parallel gradient reduction (all-reduce, or reduce-scatter + all-gather with ZeRO >= 1: the
-  same bytes) over NVLink when the job fits on one node, else over each GPU's own network link, one
-  bucket per layer: after the stage's last backward (DeepSpeed's `overlap_comm` defaults to false for
+  same bytes) over NVLink when the job fits on one node, else over the network links of the group's
+  ranks on each node (`Job.dp_ranks_per_node`: one NIC per GPU, a ring per NIC), one bucket per layer: after the stage's last backward (DeepSpeed's `overlap_comm` defaults to false for
   ZeRO 1-2), or with `overlap_grad_comm` each bucket as soon as its layer's last backward is done.
   Then the optimizer: fused Adam at HBM speed over
   this rank's parameters (1/dp of them with ZeRO >= 1), or with ZeRO-Offload CPU Adam at this
@@ -79,6 +79,9 @@ class Job:
     stage_layer_counts: tuple[int, ...] = ()  # layers per stage, first to last; (): layers / pp each
     partition_activations: bool = False  # DeepSpeed: recomputed layers' saved inputs split over tp, gathered again
     chunks: int = 1  # model chunks per device: Megatron's interleaved 1F1B over pp * chunks virtual stages
+    logit_metrics: int = 0  # cross-entropies over the logits after each micro-batch (`logit_metric_s`)
+    grad_reduce_bytes: int = GRAD_BYTES  # per gradient element in the data-parallel reduction: 4 when
+    # reduced in fp32 (FSDP's MixedPrecision reduce_dtype=float32: torchtitan's, Composer's DEFAULT)
 
     def __post_init__(self) -> None:
         problems = []
@@ -99,6 +102,10 @@ class Job:
         if self.partition_activations and self.schedule != "deepspeed":
             problems.append("partition_activations is DeepSpeed's activation checkpointing: it needs schedule "
                             "'deepspeed'")
+        if isinstance(self.logit_metrics, bool) or not isinstance(self.logit_metrics, int) or self.logit_metrics < 0:
+            problems.append(f"logit_metrics must be a whole number >= 0, got {self.logit_metrics!r}")
+        if self.grad_reduce_bytes not in (2, 4) or isinstance(self.grad_reduce_bytes, bool):
+            problems.append(f"grad_reduce_bytes must be 2 (16-bit) or 4 (fp32), got {self.grad_reduce_bytes!r}")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         counts = self.stage_layer_counts
@@ -123,6 +130,12 @@ class Job:
                             f"stage_layer_counts (an uneven split, e.g. fewer layers beside the embedding and head)")
         if problems:
             raise ProfileError(f"invalid job for {self.spec.name!r}: " + "; ".join(problems))
+
+    def dp_ranks_per_node(self, gpus_per_node: int) -> int:
+        """Ranks of one data-parallel group on each node: ranks are laid out tensor-parallel first, then
+        data-parallel, then pipeline (Megatron's default order; DeepSpeed's PipeModelDataParallelTopology),
+        so a node holds gpus / tp of a group's ranks (at least 1, at most dp)."""
+        return max(1, min(self.dp, gpus_per_node // self.par.tp))
 
     @property
     def gpus(self) -> int:
@@ -333,6 +346,7 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
         fwd_s, bwd_s = [t.fwd_s for t in times], [t.bwd_s for t in times]
     if job.partition_activations:  # each recomputed region first gathers its input's tp shards again
         bwd_s = [b + partitioned_gathers_s(job, hw, st) for b, st in zip(bwd_s, stages)]
+    bwd_s[-1] += job.logit_metrics * logit_metric_s(job, hw)  # the last stage holds the logits
     if deepspeed:
         events = simulate_deepspeed_pipeline(fwd_s, bwd_s, job.micro_batches, p2p_s)
     else:
@@ -356,11 +370,22 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     return StepResult(job, stages, events, pipeline_s, grad_comm_s, optimizer_s, peaks, ideal_s)
 
 
+def logit_metric_s(job: Job, hw) -> float:
+    """One training metric's cross-entropy over a micro-batch's logits, outside the model's step:
+    Composer computes its train metrics after each micro-batch's backward (``Trainer._eval_train_metrics``,
+    under the autocast context), and llm-foundry's models have two, LanguageCrossEntropy and
+    LanguagePerplexity, each ``torch.nn.CrossEntropyLoss`` over the 16-bit logits. Under bf16 autocast
+    that is a cast to fp32 (read 2 B, write 4 B per logit) and an fp32 log-softmax (read 4, write 4);
+    the loss's gather of one logit per token is left out. Memory-bound, two kernels."""
+    logits = job.spec.micro_batch * job.spec.seq * -(-job.spec.vocab // job.par.tp)
+    return hw.elementwise_s(logits * (2 + 4 + 4 + 4)) + 2 * hw.kernel_overhead_s
+
+
 def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[PipeEvent, ...],
                       one_node: bool) -> float:
     """When stage `st`'s replicas have reduced their gradients (all-reduce, or reduce-scatter +
     all-gather with ZeRO >= 1: 2(n-1)/n of the buffer either way), over NVLink on one node, else
-    over each GPU's own network link. One bucket per region, sent in backward order, each as soon
+    over the network links of its ranks on each node. One bucket per region, sent in backward order, each as soon
     as the last micro-batch's backward of its region is done when `overlap_grad_comm`, else all
     after the stage's last backward."""
     last = max((e for e in events if e.stage == st.stage and e.kind == "B"), key=lambda e: e.end)
@@ -371,9 +396,10 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
     t, done = 0.0, last.start
     for r in order:
         done += bwd[r] * scale  # the region's backward ends (recompute and stalls spread evenly)
-        nbytes = params.get(r, 0) * GRAD_BYTES
+        nbytes = params.get(r, 0) * job.grad_reduce_bytes
         if nbytes:
-            t = max(t, done if job.overlap_grad_comm else last.end) + _collective_s(hw, node, nbytes, job.dp, one_node)
+            t = (max(t, done if job.overlap_grad_comm else last.end)
+                 + _collective_s(hw, node, nbytes, job.dp, one_node, per_node=job.dp_ranks_per_node(node.gpus)))
     return max(last.end, t)
 
 
@@ -397,14 +423,20 @@ def tied_reduce_s(job: Job, hw, node: Node, one_node: bool) -> float:
     return _collective_s(hw, node, nbytes, 2, one_node)
 
 
-def _collective_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool, kind: str = "all_reduce") -> float:
+def _collective_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool, kind: str = "all_reduce",
+                  per_node: int = 1) -> float:
     """An all-reduce (or all-gather / reduce-scatter of the whole buffer) over NVLink (the board's
-    measured curve) when the job fits on one node, else over each GPU's own network link (nccl-tests'
-    2(n-1)/n, or (n-1)/n, of the buffer at its bus bandwidth)."""
+    measured curve) when the job fits on one node, else over the network: nccl-tests' 2(n-1)/n, or
+    (n-1)/n, of the buffer at the bus bandwidth of the `per_node` GPUs' own links a node gives the
+    group (NCCL runs a ring per NIC, each NIC carrying its share; 4-NIC A100 nodes measure ~4x one
+    NIC's rate, benchmarks/fidelity_sources.md section 5), at most what NVLink carries inside."""
     if one_node and hw.allreduce_busbw is not None:
         return hw.collective_s(kind, nbytes, ranks)
     factor = 2.0 if kind == "all_reduce" else 1.0
-    return nbytes * factor * (ranks - 1) / ranks / node.internode_busbw
+    busbw = per_node * node.internode_busbw
+    if per_node > 1 and hw.allreduce_busbw is not None:
+        busbw = min(busbw, hw.allreduce_busbw.at(nbytes))
+    return nbytes * factor * (ranks - 1) / ranks / busbw
 
 
 def _sharded_times(job: Job, hw, node: Node, st: StagePlan, one_node: bool) -> sharded.ShardedTimes:
@@ -419,10 +451,11 @@ def _sharded_times(job: Job, hw, node: Node, st: StagePlan, one_node: bool) -> s
     order = sorted(fwd, key=lambda r: st.profile.region_last_op[r])
 
     def collective(kind: str, nbytes: int) -> float:
-        return _collective_s(hw, node, nbytes, job.dp, one_node, kind) if job.dp > 1 else 0.0
+        per_node = job.dp_ranks_per_node(node.gpus)
+        return _collective_s(hw, node, nbytes, job.dp, one_node, kind, per_node) if job.dp > 1 else 0.0
 
     regions = [sharded.RegionWork(r, fwd[r] * f_scale, bwd[r] * b_scale, collective("all_gather", gathers.get(r, 0)),
-                                  collective("reduce_scatter", params.get(r, 0) * sharded.REDUCE_BYTES_PER_PARAM))
+                                  collective("reduce_scatter", params.get(r, 0) * job.grad_reduce_bytes))
                for r in order]
     return sharded.micro_batch_times(regions)
 

@@ -8,8 +8,8 @@ FSDP with ``reshard_after_forward``, the FULL_SHARD default):
   this one starts (a prefetch one region deep: DeepSpeed's ``prefetch_bucket_size``, FSDP's
   ``forward_prefetch`` / ``limit_all_gathers``);
 * backward, regions in reverse: the parameters are gathered again (prefetched one region ahead,
-  FSDP's ``BACKWARD_PRE``), and each region's 16-bit gradients are reduce-scattered as soon as its
-  backward ends.
+  FSDP's ``BACKWARD_PRE``), and each region's gradients are reduce-scattered as soon as its
+  backward ends (in 16 bits, or fp32 with `Job.grad_reduce_bytes`).
 
 Gathers and reduce-scatters share one communication stream, in the order they are issued (NCCL runs
 a rank's collectives one after another); compute waits only for its own region's gather. Nothing
@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GATHER_BYTES_PER_PARAM = 2  # 16-bit parameters gathered (bf16/fp16 training)
-REDUCE_BYTES_PER_PARAM = 2  # 16-bit gradients reduce-scattered
 
 
 @dataclass(frozen=True)

@@ -480,3 +480,17 @@ def test_attention_chooses_the_attention_implementation_of_a_model_or_a_preset(c
     assert flash[0] < eager[0] and flash[1] < eager[1]
     assert keep_all_bytes("-w", "gpt2-xl", "--attention", "flash") == flash  # the preset is the same model
     assert keep_all_bytes("-w", "llama-7b", "--attention", "eager")[0] > keep_all_bytes("-w", "llama-7b")[0]
+
+
+def test_attention_names_the_fused_kernel_and_its_measured_speed_prices_it(capsys):
+    """--attention fa-triton: the same fused attention (same memory) at FlashAttention's Triton
+    kernel's measured speed, slower than FlashAttention-2's on A100; for --model and presets alike."""
+    def keep_all(*argv):
+        rows = run_json(capsys, *argv, "--seq", "1024", "--micro-batch", "1", "--layers", "2", "--budget", "0.9",
+                        "--planner", "slackswap")
+        return rows[0]["budget_bytes"], rows[0]["ideal_s"]
+
+    for model in (("-w", "llama-7b"), ("--model", f"{HF}/gpt2-xl.json")):
+        fa2, triton = keep_all(*model, "--attention", "flash"), keep_all(*model, "--attention", "fa-triton")
+        assert triton[0] == fa2[0] and triton[1] > fa2[1]
+    assert keep_all("-w", "llama-7b", "--attention", "fa1")[1] > keep_all("-w", "llama-7b")[1]

@@ -246,3 +246,23 @@ def test_an_uneven_split_gives_each_stage_its_own_layers():
     assert layer_ops[1] == layer_ops[0] * 3 // 2 == layer_ops[2] * 3 // 2
     # the middle stage, with the most layers, sets the pace: each of its forwards is the longest
     assert max(res.stages, key=lambda st: st.fwd_s).stage == 1
+
+
+def test_training_metrics_over_the_logits_add_their_memory_bound_passes_to_every_micro_batch():
+    """Composer's train metrics (llm-foundry: LanguageCrossEntropy and LanguagePerplexity) each run a
+    cross-entropy over the 16-bit logits after every micro-batch's backward: under bf16 autocast a
+    cast to fp32 (read 2 B, write 4 B per logit) and an fp32 log-softmax (read 4, write 4)."""
+    from slackswap_ds.pipeline import logit_metric_s
+
+    hw = NODE.gpu
+    logits = SMALL.micro_batch * SMALL.seq * SMALL.vocab
+    one = logits * 14 / hw.elementwise_bps + 2 * hw.kernel_overhead_s  # two kernels
+    for job in (Job(SMALL, micro_batches=3), Job(SMALL, pp=2, micro_batches=3)):
+        assert logit_metric_s(job, hw) == pytest.approx(one, rel=1e-12)
+        plain = simulate_job(job, NODE, float("inf"), "keep-all")
+        with_metrics = simulate_job(dataclasses.replace(job, logit_metrics=2), NODE, float("inf"), "keep-all")
+        # on the last stage (it holds the logits), after each of the 3 micro-batches' backward: with one
+        # stage every one is on the critical path; the pipeline's last stage is too (1F1B drains through it)
+        assert with_metrics.step_s - plain.step_s == pytest.approx(3 * 2 * one, rel=1e-9)
+    with pytest.raises(ProfileError, match="logit_metrics must be a whole number"):
+        Job(SMALL, logit_metrics=-1)

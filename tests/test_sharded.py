@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from slackswap_ds.errors import ProfileError
 from slackswap_ds.hardware import load_node
 from slackswap_ds.pipeline import Job, simulate_job
 from slackswap_ds.sharded import RegionWork, gather_bytes, micro_batch_times
-from slackswap_ds.workloads import model_params, preset_spec
+from slackswap_ds.workloads import Parallel, model_params, preset_spec
 
 
 def test_a_zero3_micro_batch_gathers_every_parameter_byte_each_pass():
@@ -43,3 +44,35 @@ def test_a_zero3_job_reduces_its_gradients_inside_each_micro_batch():
     assert z3.grad_comm_s == 0.0 < z2.grad_comm_s
     assert z3.pipeline_s > z2.pipeline_s  # the first gather of each pass and the last reduce-scatter show
     assert z3.optimizer_s == z2.optimizer_s  # 1/dp of the optimizer state either way
+
+
+def test_fp32_reduce_scatters_move_twice_the_gradient_bytes_and_a_network_bound_step_waits_for_them():
+    """FSDP's reduce_dtype=float32 (torchtitan's and Composer's DEFAULT): each region's gradients are
+    reduce-scattered in 4 bytes. Across nodes every collective runs at the network's rate (linear in
+    bytes), and with next to no compute every one is on the step's critical path: the step grows by
+    exactly the second half of the reduce-scatter bytes at that rate."""
+    node = load_node("dgx-a100")
+    spec = preset_spec("llama-7b", layers=2, seq=16, micro_batch=1)
+    dp = 2 * node.gpus  # two nodes: collectives over the network
+    half, full = (simulate_job(Job(spec, dp=dp, zero=3, grad_reduce_bytes=b), node, float("inf"), "keep-all")
+                  for b in (2, 4))
+    # the 8 ranks of the group on each node reduce over their 8 NICs: 8x one NIC's bus bandwidth (below NVLink's)
+    assert Job(spec, dp=dp).dp_ranks_per_node(node.gpus) == 8
+    extra = model_params(spec) * 2 * (dp - 1) / dp / (8 * node.internode_busbw)
+    assert full.step_s - half.step_s == pytest.approx(extra, rel=1e-9)
+    with pytest.raises(ProfileError, match="grad_reduce_bytes must be 2"):
+        Job(spec, dp=dp, zero=3, grad_reduce_bytes=8)
+
+
+def test_a_data_parallel_group_reduces_over_the_nics_of_its_ranks_on_each_node():
+    """Ranks are laid out tensor-parallel first (Megatron, DeepSpeed): with tp 4 a node holds 2 ranks
+    of each data-parallel group, with tp 8 one; a group with one rank per node reduces at one NIC's rate."""
+    spec = preset_spec("llama-7b", layers=8, seq=256, micro_batch=1)
+    node = load_node("dgx-a100")
+    assert [Job(spec, Parallel(tp), dp=16).dp_ranks_per_node(8) for tp in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    assert Job(spec, dp=4).dp_ranks_per_node(8) == 4  # never more than the group has
+    # a tp-t rank reduces 1/t of the gradients over a 1/t share of the node's NICs: the same time
+    # whatever t (each node's 8 NICs carry the node's gradients); one NIC per group would be 8x slower
+    times = [simulate_job(Job(spec, Parallel(tp), dp=16, zero=1), node, float("inf"), "keep-all").grad_comm_s
+             for tp in (1, 4, 8)]
+    assert times[0] > 0 and times == pytest.approx([times[0]] * 3, rel=1e-9)

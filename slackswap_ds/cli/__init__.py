@@ -41,6 +41,8 @@ from .sweep import (Group, Sweep, Target, Traced, Workload, job_row, native_stdo
 
 DEFAULT_WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
 DEFAULT_HARDWARE = "a100-80g-pcie4"
+# --attention's fused kernels -> ModelSpec.attention_kernel ('flash' stays the name of FlashAttention-2)
+FLASH_KERNELS = {"flash": "fa2", "fa1": "fa1", "fa-triton": "fa-triton", "xformers": "xformers"}
 
 
 # ---- budgets ----------------------------------------------------------------------------------
@@ -89,7 +91,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, int | bool]:
             out[name] = v
     attention = getattr(args, "attention", None)
     if attention is not None:
-        out["flash"] = attention == "flash"
+        out["flash"] = attention != "eager"
+        if attention != "eager":
+            out["attention_kernel"] = FLASH_KERNELS[attention]
     return out
 
 
@@ -114,10 +118,12 @@ def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workloa
         if args.seq is None or args.micro_batch is None:
             raise SlackSwapError(f"--model {path}: give --seq and --micro-batch too (a config.json holds the "
                                  f"model, not the shape of its training batches)")
-        flash = None if args.attention is None else args.attention == "flash"
+        flash = None if args.attention is None else args.attention != "eager"
         spec = spec_from_hf_config(path, seq=args.seq, micro_batch=args.micro_batch, flash=flash)
         if args.layers is not None:
             spec = dataclasses.replace(spec, layers=args.layers)
+        if flash:
+            spec = dataclasses.replace(spec, attention_kernel=FLASH_KERNELS[args.attention])
         out.append(Workload(spec.name, spec, False, False))
     return out
 
@@ -205,8 +211,8 @@ def _layer_counts(text: str) -> tuple[int, ...]:
 
 def _is_job(args: argparse.Namespace) -> bool:
     return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm,
-            args.schedule, args.stage_layers, args.partition_activations, args.chunks) != \
-        (1, 1, 0, 1, False, False, "1f1b", (), False, 1)
+            args.schedule, args.stage_layers, args.partition_activations, args.chunks, args.reduce_dtype) != \
+        (1, 1, 0, 1, False, False, "1f1b", (), False, 1, "bf16")
 
 
 def cmd_simulate_job(args: argparse.Namespace) -> int:
@@ -227,7 +233,8 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
     rows, out = [], sys.stdout
     for wl in _workloads(args, ("llama-70b",)):
         job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
-                  args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations, args.chunks)
+                  args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations, args.chunks,
+                  grad_reduce_bytes=4 if args.reduce_dtype == "fp32" else 2)
         ideal = ideal_step_s(job, node)
         for budget in budgets:
             if not budget.is_fraction:
@@ -326,10 +333,13 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq", type=_positive_int, metavar="S", help="override the sequence length")
     p.add_argument("--micro-batch", type=_positive_int, metavar="M", help="override the micro-batch size")
     p.add_argument("--layers", type=_positive_int, metavar="L", help="override the number of layers")
-    p.add_argument("--attention", choices=("eager", "flash"),
-                   help="the attention implementation: 'eager' materialises the s x s scores (HF's eager path), "
-                        "'flash' is one fused kernel (FlashAttention, SDPA; causal models skip the masked blocks); "
-                        "default: the preset's, or by family for --model (flash for llama/mistral/qwen2/mixtral)")
+    p.add_argument("--attention", choices=("eager",) + tuple(FLASH_KERNELS),
+                   help="the attention implementation: 'eager' materialises the s x s scores (HF's eager path); "
+                        "the others are one fused kernel each way (causal models skip the masked blocks), at the "
+                        "preset's measured speed of that kernel: 'flash' FlashAttention-2 (and PyTorch SDPA's flash "
+                        "backend), 'fa1' FlashAttention v1, 'fa-triton' its Triton version (llm-foundry's "
+                        "attn_impl: triton), 'xformers'; default: the preset's, or by family for --model (flash "
+                        "for llama/mistral/qwen2/mixtral)")
     p.add_argument("--tp", type=_positive_int, default=1, metavar="T",
                    help="tensor-parallel degree: simulate one rank of a Megatron-style T-way cut (default 1)")
     p.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (Korthikanti et al.)")
@@ -355,6 +365,9 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
                    help="ZeRO-Offload: optimizer state and step on the CPU (needs --zero 1 or 2)")
     p.add_argument("--overlap-comm", action="store_true",
                    help="reduce each layer's gradients while backward goes on (DeepSpeed's overlap_comm)")
+    p.add_argument("--reduce-dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="data-parallel gradient reduction in 16 bits (default; bf16 or fp16) or fp32 (FSDP's "
+                        "MixedPrecision reduce_dtype=float32, as torchtitan and Composer's DEFAULT do)")
 
 
 def _add_simulate_parser(sub) -> None:

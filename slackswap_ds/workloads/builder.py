@@ -12,8 +12,9 @@ Timing model (a roofline; every constant comes from the `Hardware` preset)
   and wave quantization (`Hardware.gemm_s`); ``bytes`` = the input, weight (or second operand) and
   output, each read or written once. Backward runs two GEMMs of the same FLOPs (input gradient
   m x n by n x k, weight gradient k x m by m x n) and twice the bytes.
-* FlashAttention: one fused kernel each way, at the preset's measured attention speed
-  (``hw.attention_s``). Forward FLOPs ``4·b·s²·h`` (QK^T and P·V), bytes = q, k, v, output and the
+* FlashAttention: one fused kernel each way, at the preset's measured speed of the workload's kernel
+  (``ModelSpec.attention_kernel``) for its head dim, mask and sequence length (``hw.attention_s``,
+  `attention_rates`). Forward FLOPs ``4·b·s²·h`` (QK^T and P·V), bytes = q, k, v, output and the
   fp32 log-sum-exp; backward ``2.5x`` the forward FLOPs (it recomputes the scores) and reads q, k,
   v, o, dO, lse and writes dq, dk, dv.
 * Causal masking (``ModelSpec.causal``): a fused kernel does only the key blocks at and below the
@@ -40,6 +41,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable
 
+from ..attention_rates import AttentionShape
 from ..hardware import GemmShape, Hardware
 from .spec import ModelSpec, Parallel
 
@@ -62,7 +64,7 @@ class OpCost:
     bwd_bytes: float = 0.0
     comms: Comms = ()
     bwd_comms: Comms = ()
-    attention: bool = False  # a fused attention kernel (its own measured speed), not a GEMM
+    attention: AttentionShape | None = None  # a fused attention kernel (its own measured speed), not a GEMM
     params: float = 0.0  # weight elements the op owns on this rank (for gradients and the optimizer)
     shapes: tuple[GemmShape, ...] = ()  # (batch, m, n, k) of each GEMM in `gemms` ((): FLOPs only)
     bwd_shapes: tuple[GemmShape, ...] = ()
@@ -73,7 +75,7 @@ class OpCost:
 
     def times(self, hw: Hardware, tp: int) -> tuple[float, float]:
         def kernel_s(flops: float, shape: GemmShape | None) -> float:
-            return hw.attention_s(flops) if self.attention else hw.gemm_s(flops, shape)
+            return hw.attention_s(flops, self.attention) if self.attention is not None else hw.gemm_s(flops, shape)
 
         def one(gemms, shapes, nbytes, comms):
             if gemms:  # GEMMs: compute or their operands' traffic, whichever is slower
@@ -128,10 +130,10 @@ class CostBuilder:
         return key
 
     def attention(self, region: str, module: str, name: str, flops: float, nbytes: float, bwd_flops: float,
-                  bwd_bytes: float) -> str:
-        """One fused attention kernel each way (FlashAttention), at the hardware's attention speed."""
+                  bwd_bytes: float, shape: AttentionShape) -> str:
+        """One fused attention kernel each way (FlashAttention), at the hardware's speed for its shape."""
         key = self._key(module, name)
-        self.costs.append(OpCost(key, region, (flops,), nbytes, (bwd_flops,), bwd_bytes, attention=True))
+        self.costs.append(OpCost(key, region, (flops,), nbytes, (bwd_flops,), bwd_bytes, attention=shape))
         return key
 
     def hbm(self, region: str, module: str, name: str, fwd_bytes: float, bwd_bytes: float) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..attention_rates import AttentionShape
 from .builder import FP32, MASK_BYTES, CostBuilder
 
 # The unit a causal mask skips: FlashAttention-2's query/key block (Dao 2023, arXiv 2307.08691, Sec. 3.3:
@@ -141,15 +142,16 @@ def _attention_core(builder: CostBuilder, shape: LayerShape, qkv_producers: list
     kv_elements = micro_batch * seq * kv_heads_per_rank * head_dim
     core_flops = 2.0 * micro_batch * seq * seq * heads_per_rank * head_dim  # each of QK^T and P·V: 2·b·a·s²·d
     if spec.flash:
-        if spec.causal:  # the fused kernel skips the blocks above the diagonal; unfused attention does not
-            core_flops *= causal_fraction(seq)
+        share = causal_fraction(seq) if spec.causal else 1.0  # a fused causal kernel skips the blocks above
+        core_flops *= share  # the diagonal; unfused attention does not
+        kernel = AttentionShape(spec.attention_kernel, head_dim, seq, spec.causal, share)
         lse_bytes = FP32 * micro_batch * heads_per_rank * seq
         fwd_bytes = (q_elements + 2 * kv_elements + q_elements) * bytes_per_element + lse_bytes
         # read q, k, v, o, dO, lse; write dq, dk, dv
         bwd_bytes = ((q_elements + 2 * kv_elements + 2 * q_elements) * bytes_per_element + lse_bytes
                      + (q_elements + 2 * kv_elements) * bytes_per_element)
         flash = builder.attention(region, module, "flash_attn", 2 * core_flops, fwd_bytes, 2.5 * 2 * core_flops,
-                                  bwd_bytes)
+                                  bwd_bytes, kernel)
         builder.save(q, q_elements * bytes_per_element, [flash], qkv_producers, [qkv_input])
         builder.save(k, kv_elements * bytes_per_element, [flash], qkv_producers, [qkv_input])
         builder.save(v, kv_elements * bytes_per_element, [flash], _unrotated(qkv_producers), [qkv_input])

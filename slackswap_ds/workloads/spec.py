@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from ..attention_rates import DEFAULT_KERNEL, KERNELS
 from ..errors import ProfileError
 
 FFN_KINDS = ("gelu", "swiglu")
@@ -39,6 +40,7 @@ class ModelSpec:
     experts_per_token: int = 1  # MLPs each token is routed to (Mixtral: 2 of 8)
     tied_embeddings: bool = False  # the LM head reuses the embedding table (GPT-2, BERT): one copy of its weights
     causal: bool = False  # decoder attention (GPT, Llama): a fused kernel skips the masked blocks
+    attention_kernel: str = DEFAULT_KERNEL  # with `flash`: which fused kernel (`attention_rates.KERNELS`)
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -73,6 +75,8 @@ class ModelSpec:
         for f in ("flash", "rope", "tied_embeddings", "causal"):
             if not isinstance(getattr(self, f), bool):
                 problems.append(f"{f} must be True or False, got {getattr(self, f)!r}")
+        if self.attention_kernel not in KERNELS:
+            problems.append(f"attention_kernel must be one of {list(KERNELS)}, got {self.attention_kernel!r}")
         if not isinstance(self.source, str):
             problems.append(f"source must be a string, got {self.source!r}")
         if problems:
