@@ -3,8 +3,10 @@
     python benchmarks/fidelity.py [--json FILE]
 
 Every prediction comes from the hardware presets in configs/hardware (each parameter with its
-source); no parameter was fitted to a row of this table. Target: each row within +-5%. Rows that
-miss stay, with the reason.
+source); no parameter was fitted to a row of this table. What each measured job ran (its attention
+kernel, gradient reduction dtype, training-loop metrics) is read from its own code and set on its
+ModelSpec / Job, with the file it comes from. Target: each row within +-5%. Rows that miss stay,
+with the reason.
 
 Sources of the measurements (full configurations in each row's `config`):
 * Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (arXiv
@@ -191,10 +193,7 @@ def _tokens_per_gpu_s(spec: ModelSpec, job: Job, node, planner: str) -> float:
 
 NO_TRITON_H100 = ("FlashAttention's Triton kernel was not measured on H100 (the published figure has FlashAttention 1 "
                   "and 2 only): FlashAttention-2's speed stands for it")
-TITAN_NETWORK = "the cluster's network is not stated (the dgx-a100 preset's 8 HDR NICs, 24 GB/s per GPU, assumed)"
-TITAN_BOUND = ("simulated as bound by the network: the fp32 reduce-scatters and bf16 gathers of each layer over the "
-               "24 GB/s per GPU the preset assumes take longer than its compute; the measured run (13% faster than "
-               "the same job with op SAC) needs a faster network; " + TITAN_NETWORK)
+TITAN_NETWORK = "the cluster's network is not stated (the dgx-a100 preset's 8 HDR NICs per node assumed)"
 
 
 def _miss(ratio: float, too_fast: str, too_slow: str = "") -> str:
@@ -258,7 +257,7 @@ def new_rows(row) -> None:
         predicted = _tokens_per_gpu_s(spec, job, a100, planner)
         row(TITAN, f"{name}: tokens/s per GPU", f"64x A100 80GB (8 nodes), seq {seq}, micro-batch {mb}, FSDP2 "
             f"(ZeRO-3) over 64, {ac[planner]}, bf16, no compile",
-            tokens, predicted, "tok/s", _miss(predicted / tokens, EAGER + "; " + TITAN_NETWORK, TITAN_BOUND))
+            tokens, predicted, "tok/s", _miss(predicted / tokens, EAGER + "; " + TITAN_NETWORK))
 
 
 BLOOM = "bigscience-workshop/bigscience train/tr11-176B-ml/README.md (commit 9e64edec)"
