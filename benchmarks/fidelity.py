@@ -227,7 +227,8 @@ def new_rows(row) -> None:
         row(FOUNDRY if node is a100 else FOUNDRY_H100, f"{name}: tokens/s per GPU",
             f"8x {gpu}, seq {seq}, micro-batch {mb}, grad accum {ga}, FSDP FULL_SHARD (ZeRO-3), "
             f"{'every layer recomputed' if ckpt else 'no checkpointing'}, bf16", tokens, predicted, "tok/s",
-            _miss(predicted / tokens, EAGER + ("; " + SUSTAINED + "; " + NO_TRITON_H100 if node is h100 else "")))
+            _miss(predicted / tokens, EAGER + ("; " + SUSTAINED if node is h100 else "")
+                  + ("" if node.gpu.attention_kernel_measured(spec.attention_kernel) else "; " + NO_TRITON_H100)))
 
     # llm.c: GPT-2 (vocab padded to 50304, tied, no dropout), cuDNN flash attention (causal), ZeRO-1, no recompute
     gpt2 = [("GPT-2 124M", 12, 768, 12, 64, 1, a100, 0.300), ("GPT-2 350M", 24, 1024, 16, 64, 1, a100, 0.820),

@@ -18,8 +18,9 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
   k_i - 1 times over, the last region's too.
 * Data-parallel gradient reduction (all-reduce, or reduce-scatter + all-gather with ZeRO >= 1: the
   same bytes) over NVLink when the job fits on one node, else over the network links of the group's
-  ranks on each node (`Job.dp_ranks_per_node`: one NIC per GPU, a ring per NIC), one bucket per layer: after the stage's last backward (DeepSpeed's `overlap_comm` defaults to false for
-  ZeRO 1-2), or with `overlap_grad_comm` each bucket as soon as its layer's last backward is done.
+  ranks on each node (`Job.dp_ranks_per_node`: one NIC per GPU, a ring per NIC), one bucket per
+  layer: after the stage's last backward (DeepSpeed's `overlap_comm` defaults to false for ZeRO 1-2),
+  or with `overlap_grad_comm` each bucket as soon as its layer's last backward is done.
   Then the optimizer: fused Adam at HBM speed over
   this rank's parameters (1/dp of them with ZeRO >= 1), or with ZeRO-Offload CPU Adam at this
   GPU's share of its socket's memory bandwidth plus the copy of the updated 16-bit parameters back

@@ -494,3 +494,12 @@ def test_attention_names_the_fused_kernel_and_its_measured_speed_prices_it(capsy
         fa2, triton = keep_all(*model, "--attention", "flash"), keep_all(*model, "--attention", "fa-triton")
         assert triton[0] == fa2[0] and triton[1] > fa2[1]
     assert keep_all("-w", "llama-7b", "--attention", "fa1")[1] > keep_all("-w", "llama-7b")[1]
+
+
+def test_a_fused_kernel_without_a_measured_speed_on_the_gpu_is_said_not_silently_replaced(capsys):
+    argv = ["simulate", "-w", "llama-7b", "--attention", "fa-triton", "-p", "slackswap", "--layers", "2",
+            "--seq", "256", "--json"]
+    assert main([*argv, "--hardware", "h100-pcie5"]) == 0
+    assert "h100-pcie5 has no measured speed of the 'fa-triton' attention kernel" in capsys.readouterr().err
+    assert main([*argv, "--hardware", "a100-80g-pcie4"]) == 0  # measured there: nothing to say
+    assert "no measured speed" not in capsys.readouterr().err

@@ -128,6 +128,14 @@ def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workloa
     return out
 
 
+def _say_unmeasured_attention(workloads: Sequence[Workload], hw) -> None:
+    """A fused kernel with no measured speed on this GPU runs at FlashAttention-2's: said, not silent."""
+    for kernel in sorted({wl.spec.attention_kernel for wl in workloads if wl.spec.flash}):
+        if hw.attention_rates is not None and not hw.attention_kernel_measured(kernel):
+            print(f"note: {hw.name} has no measured speed of the {kernel!r} attention kernel; FlashAttention-2's "
+                  f"stands in for it", file=sys.stderr)
+
+
 def _parallel(args: argparse.Namespace) -> Parallel:
     if getattr(args, "sp", False) and getattr(args, "tp", 1) == 1:
         raise SlackSwapError("--sp (sequence parallelism) splits along the tensor-parallel group: give --tp > 1")
@@ -143,6 +151,7 @@ def _sweep(args: argparse.Namespace) -> Sweep:
     for p in planners:
         get_planner(p)
     target = _load_target(args.hardware, args.node)
+    _say_unmeasured_attention(workloads, target.hw)
     return Sweep(workloads, budgets, planners, target, _parallel(args), bool(args.trace))
 
 
@@ -231,7 +240,9 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
     budgets = list(dict.fromkeys(args.budget or [parse_budget("0.5")]))
     par = _parallel(args)
     rows, out = [], sys.stdout
-    for wl in _workloads(args, ("llama-70b",)):
+    workloads = _workloads(args, ("llama-70b",))
+    _say_unmeasured_attention(workloads, node.gpu)
+    for wl in workloads:
         job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
                   args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations, args.chunks,
                   grad_reduce_bytes=4 if args.reduce_dtype == "fp32" else 2)
@@ -266,6 +277,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise SlackSwapError("give --workload or --model, not both (a plan is for one model)")
     (wl,) = _workloads(args, ())
     target = _load_target(args.hardware, args.node)
+    _say_unmeasured_attention([wl], target.hw)
     profile = wl.profile(target.hw, _parallel(args))
     ka = keep_all_result(profile, target.hw)
     budget_bytes = args.budget.of(profile.total_bytes)
