@@ -44,8 +44,6 @@ EAGER = ("PyTorch eager + FSDP: per-op framework time, unfused elementwise kerne
 LLMC_KERNELS = ("llm.c runs cuDNN's flash attention, which the published figure does not measure (FlashAttention-2's "
                 "speed stands for it), and fuses each residual add into the next LayerNorm kernel, which the cost "
                 "model charges as two")
-SUSTAINED = ("the H100 GEMM curve is XLA's table (783 TFLOP/s at 4096^3, burst clocks); sustained training clocks run "
-             "lower (stas00/ml-engineering: H200 MSMF 703 vs MAMF 828 TFLOP/s), not modelled")
 KORTHIKANTI = "Korthikanti et al. 2022 (arXiv 2205.05198)"
 FOUNDRY = "mosaicml/llm-foundry benchmarking README (commit 061f2c7c), A100 80GB"
 
@@ -227,8 +225,8 @@ def new_rows(row) -> None:
         row(FOUNDRY if node is a100 else FOUNDRY_H100, f"{name}: tokens/s per GPU",
             f"8x {gpu}, seq {seq}, micro-batch {mb}, grad accum {ga}, FSDP FULL_SHARD (ZeRO-3), "
             f"{'every layer recomputed' if ckpt else 'no checkpointing'}, bf16", tokens, predicted, "tok/s",
-            _miss(predicted / tokens, EAGER + ("; " + SUSTAINED if node is h100 else "")
-                  + ("" if node.gpu.attention_kernel_measured(spec.attention_kernel) else "; " + NO_TRITON_H100)))
+            _miss(predicted / tokens, EAGER + ("" if node.gpu.attention_kernel_measured(spec.attention_kernel)
+                                                else "; " + NO_TRITON_H100)))
 
     # llm.c: GPT-2 (vocab padded to 50304, tied, no dropout), cuDNN flash attention (causal), ZeRO-1, no recompute
     gpt2 = [("GPT-2 124M", 12, 768, 12, 64, 1, a100, 0.300), ("GPT-2 350M", 24, 1024, 16, 64, 1, a100, 0.820),
@@ -239,7 +237,7 @@ def new_rows(row) -> None:
         gpu = "A100 80GB SXM" if node is a100 else "H100 80GB SXM"
         row(LLMC, f"{name}: step time", f"8x {gpu}, seq 1024, micro-batch {mb}, grad accum {ga}, ZeRO-1, "
             f"no recompute, bf16 (the script's comment: '~{step_s}s/iter')", step_s, res.step_s, "s",
-            SUSTAINED if node is h100 else LLMC_KERNELS if abs(res.step_s / step_s - 1) > TARGET else "")
+            LLMC_KERNELS if abs(res.step_s / step_s - 1) > TARGET else "")
 
     # torchtitan: FSDP2 over 64 GPUs (8 nodes; interconnect not stated: the dgx-a100 preset's 8 HDR NICs assumed),
     # SDPA flash attention (causal), no gradient accumulation

@@ -23,7 +23,9 @@ benchmark, each with its source), interpolated linearly in log(x) and held flat 
 Optional scalars (a preset without them keeps the plain roofline): ``sm_count`` turns on the GEMM
 *shape* model (`tile_efficiency`, `Hardware.gemm_s`), ``elementwise_bps`` is what memory-bound kernels achieve (a
 STREAM-like copy, below the read bandwidth ``hbm_bps``), ``kernel_overhead_s`` is the fixed time each
-kernel adds (launch and the gap between dependent kernels).
+kernel adds (launch and the gap between dependent kernels), ``sustained_clock_fraction`` is the share of
+its curves' compute rates (GEMM, attention) a GPU holds once training keeps it at its power limit, when
+the curves were measured in short bursts at the boost clock.
 """
 
 from __future__ import annotations
@@ -123,6 +125,7 @@ class Hardware:
     sm_count: int = 0  # streaming multiprocessors; 0: GEMM speed by FLOPs only, not by shape
     elementwise_bps: float = math.nan  # what memory-bound kernels achieve; nan: hbm_bps
     kernel_overhead_s: float = 0.0  # fixed cost of each kernel (launch, gap between dependent kernels)
+    sustained_clock_fraction: float = 1.0  # of its curves' (burst-clock) compute rates a power-saturated GPU holds
 
     @classmethod
     def instant_copies(cls) -> "Hardware":
@@ -161,8 +164,9 @@ class Hardware:
         if flops <= 0:
             return 0.0
         if shape is None or not self.by_shape:
-            return flops / self.gemm_rate(flops)
-        return flops / (self._unquantized_gemm_flops.at(flops) * self.tile_efficiency(shape))
+            return flops / (self.gemm_rate(flops) * self.sustained_clock_fraction)
+        rate = self._unquantized_gemm_flops.at(flops) * self.tile_efficiency(shape)
+        return flops / (rate * self.sustained_clock_fraction)
 
     def elementwise_s(self, nbytes: float) -> float:
         """Seconds of memory-bound work reading and writing `nbytes` in all."""
@@ -179,10 +183,10 @@ class Hardware:
             for kernel in (shape.kernel, "fa2"):
                 s = self.attention_rates.seconds(flops, dataclasses.replace(shape, kernel=kernel))
                 if s is not None:
-                    return s
+                    return s / self.sustained_clock_fraction
         if self.flash_attention_flops is None:
             return self.gemm_s(flops)
-        return flops / self.flash_attention_flops.at(flops)
+        return flops / (self.flash_attention_flops.at(flops) * self.sustained_clock_fraction)
 
     def attention_kernel_measured(self, kernel: str) -> bool:
         """Whether this GPU's preset has measured speeds of `kernel` (else FA2's stand in for it)."""
@@ -230,7 +234,8 @@ _CURVES = ("gemm_flops", "allreduce_busbw", "flash_attention_flops")
 _GPU_PARAMS = (
     "peak_flops matmul_efficiency hbm_bytes hbm_bps d2h_bps h2d_bps duplex_d2h_bps duplex_h2d_bps copy_latency_s"
 ).split()
-_OPTIONAL_GPU_PARAMS = ("sm_count", "elementwise_bps", "kernel_overhead_s")  # absent: the plain roofline
+_OPTIONAL_GPU_PARAMS = ("sm_count", "elementwise_bps", "kernel_overhead_s",
+                        "sustained_clock_fraction")  # absent: the plain roofline
 
 
 @dataclass(frozen=True)
@@ -377,6 +382,8 @@ def load_hardware(name_or_path: str | Path) -> Hardware:
     values.setdefault("matmul_efficiency", math.nan)  # unused: the curve gives GEMM speed
     if values["matmul_efficiency"] > 1:
         raise InvalidFileError(f"hardware file {str(path)!r}: matmul_efficiency must be in (0, 1]")
+    if values.get("sustained_clock_fraction", 1.0) > 1:
+        raise InvalidFileError(f"hardware file {str(path)!r}: sustained_clock_fraction must be in (0, 1]")
     return Hardware(name=str(data.get("name", path.stem)), description=str(data.get("description", "")),
                     sources=sources + curve_sources, **values, **curves)
 

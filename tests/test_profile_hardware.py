@@ -159,3 +159,32 @@ def test_hardware_file_that_is_not_json(tmp_path):
     path.write_text("{")
     with pytest.raises(InvalidFileError, match="not valid JSON"):
         load_hardware(path)
+
+
+def test_a_power_saturated_gpu_runs_its_burst_measured_compute_at_the_sustained_share():
+    """H100/H200 presets: the GEMM curve and FlashAttention's figure are burst-clock measurements; a GPU
+    that training keeps at its 700 W limit holds 708.5 / 841.9 of them (stas00's H200 MSMF / MAMF).
+    Memory-bound kernels are not slowed (the HBM clock is not the SM clock)."""
+    import dataclasses
+
+    from slackswap_ds.attention_rates import AttentionShape
+
+    h100 = load_hardware("h100-pcie5")
+    burst = dataclasses.replace(h100, sustained_clock_fraction=1.0)
+    assert h100.sustained_clock_fraction == 0.8416 and load_hardware("gh200").sustained_clock_fraction == 1.0
+    f, shape = 2.0 * 4096**3, (1, 4096, 4096, 4096)
+    assert h100.gemm_s(f, shape) == pytest.approx(burst.gemm_s(f, shape) / 0.8416, rel=1e-12)
+    assert burst.gemm_s(f, shape) == pytest.approx(f / 783.3e12, rel=1e-9)  # a measured shape, at its speed
+    attn = AttentionShape("fa2", 128, 2048, True, 0.53)
+    assert h100.attention_s(1e12, attn) == pytest.approx(burst.attention_s(1e12, attn) / 0.8416, rel=1e-12)
+    assert h100.elementwise_s(1e9) == burst.elementwise_s(1e9)
+    assert "sustained_clock_fraction" in h100.params() and "sustained_clock_fraction" not in burst.params()
+
+
+def test_a_sustained_clock_fraction_above_one_is_refused(tmp_path):
+    raw = json.loads((hardware_dir() / "h100-pcie5.json").read_text())
+    raw["params"]["sustained_clock_fraction"]["value"] = 1.2
+    path = tmp_path / "fast.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(InvalidFileError, match=r"sustained_clock_fraction must be in \(0, 1\]"):
+        load_hardware(path)
