@@ -160,7 +160,7 @@ def rows() -> list[dict]:
                ("MPT-125M", 768, 12, 12, 40, 2, 142830)]
     for name, d, a, layers, mb, ga, tokens in foundry:
         spec = _mpt(name, d, a, layers, mb)
-        job = Job(spec, dp=8, micro_batches=ga, zero=3, logit_metrics=COMPOSER_TRAIN_METRICS,
+        job = Job(spec, dp=8, micro_batches=ga, zero=3, sharding="fsdp1", logit_metrics=COMPOSER_TRAIN_METRICS,
                   grad_reduce_bytes=FP32_REDUCE)
         res = simulate_job(job, node, float("inf"), "keep-all")
         predicted = mb * ga * 2048 / res.step_s
@@ -190,7 +190,7 @@ def _tokens_per_gpu_s(spec: ModelSpec, job: Job, node, planner: str) -> float:
 
 
 NO_TRITON_H100 = ("FlashAttention's Triton kernel was not measured on H100 (the published figure has FlashAttention 1 "
-                  "and 2 only): FlashAttention-2's speed stands for it")
+                  "and 2 only): its speed is derived, FA1's on H100 times the Triton/FA1 ratio on A100")
 TITAN_NETWORK = "the cluster's network is not stated (the dgx-a100 preset's 8 HDR NICs per node assumed)"
 
 
@@ -218,7 +218,7 @@ def new_rows(row) -> None:
     ]
     for name, d, a, layers, seq, mb, ga, ckpt, tokens, node in mpt:
         spec = _mpt(name, d, a, layers, mb, seq)
-        job = Job(spec, dp=8, micro_batches=ga, zero=3, logit_metrics=COMPOSER_TRAIN_METRICS,
+        job = Job(spec, dp=8, micro_batches=ga, zero=3, sharding="fsdp1", logit_metrics=COMPOSER_TRAIN_METRICS,
                   grad_reduce_bytes=FP32_REDUCE)
         predicted = _tokens_per_gpu_s(spec, job, node, "full-recompute" if ckpt else "keep-all")
         gpu = "A100 80GB" if node is a100 else "H100 80GB"
@@ -228,11 +228,14 @@ def new_rows(row) -> None:
             _miss(predicted / tokens, EAGER + ("" if node.gpu.attention_kernel_measured(spec.attention_kernel)
                                                 else "; " + NO_TRITON_H100)))
 
-    # llm.c: GPT-2 (vocab padded to 50304, tied, no dropout), cuDNN flash attention (causal), ZeRO-1, no recompute
+    # llm.c: GPT-2 (vocab padded to 50304, tied, no dropout), cuDNN flash attention (causal), ZeRO-1, no recompute;
+    # its loss is one kernel per micro-step (llmc/fused_classifier.cuh: the cross-entropy forward "also kicks off
+    # the backward pass", writing dlogits over the logits; train_gpt2.cu calls it once, in the backward)
     gpt2 = [("GPT-2 124M", 12, 768, 12, 64, 1, a100, 0.300), ("GPT-2 350M", 24, 1024, 16, 64, 1, a100, 0.820),
             ("GPT-2 1558M", 48, 1600, 25, 16, 8, h100, 2.80)]
     for name, layers, d, a, mb, ga, node, step_s in gpt2:
-        spec = _decoder(name, layers, d, a, a, 4 * d, "gelu", 50304, 1024, mb, LLMC, tied=True)
+        spec = dataclasses.replace(_decoder(name, layers, d, a, a, 4 * d, "gelu", 50304, 1024, mb, LLMC, tied=True),
+                                   fused_loss=True)
         res = simulate_job(Job(spec, dp=8, micro_batches=ga, zero=1), node, float("inf"), "keep-all")
         gpu = "A100 80GB SXM" if node is a100 else "H100 80GB SXM"
         row(LLMC, f"{name}: step time", f"8x {gpu}, seq 1024, micro-batch {mb}, grad accum {ga}, ZeRO-1, "

@@ -17,10 +17,17 @@ work is a bit more than half (the diagonal blocks are done in full, `layer.causa
 The one rate is used for forward and for backward (the published figures are for both together).
 Between two measured head dims the rate is interpolated linearly; beyond them, and beyond the
 sequence lengths, it is held flat.
+
+A kernel with no published figure on a GPU may be *derived* from one that has one, by a rule and no
+number: ``"derived": {"fa-triton": {"like": "fa1", "from": "a100-80g-pcie4", "source": "..."}}`` gives
+it, at each shape, this GPU's rate of the kernel it is ``like`` times the two kernels' ratio on the
+``from`` preset (`AttentionRates.with_derived`). `AttentionRates.derived` names such kernels, so
+a report can say which speeds were measured.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +58,21 @@ class AttentionShape:
 
 
 @dataclass(frozen=True)
+class Derivation:
+    """`kernel`'s rates on a GPU without a figure of it: the GPU's rates of `like` times the ratio
+    kernel / like measured on the `reference` preset."""
+
+    kernel: str
+    like: str
+    reference: str
+    source: str
+
+    @property
+    def rule(self) -> str:
+        return f"{self.like}'s rates on this GPU x {self.kernel} / {self.like} on {self.reference}"
+
+
+@dataclass(frozen=True)
 class AttentionRates:
     """Measured forward + backward FLOP/s of fused attention kernels on one GPU."""
 
@@ -58,6 +80,34 @@ class AttentionRates:
     # (kernel, causal, head dim) -> FLOP/s at each of `seq`
     series: tuple[tuple[tuple[str, bool, int], tuple[float, ...]], ...]
     source: str = ""
+    derivations: tuple[Derivation, ...] = ()  # kernels to derive (`with_derived`); derived ones stay listed
+
+    @property
+    def derived(self) -> dict[str, Derivation]:
+        """The kernels with no measured figure here, and how their rates were derived."""
+        return {d.kernel: d for d in self.derivations}
+
+    def with_derived(self, reference_rates) -> "AttentionRates":
+        """These rates with each `derivations` kernel added: `reference_rates(name)` gives a preset's
+        rates. At each (mask, head dim) this GPU has `like` and the reference has both kernels:
+        rate = like here x (kernel / like on the reference), the reference read at this GPU's lengths."""
+        series = list(self.series)
+        for d in self.derivations:
+            ref = reference_rates(d.reference)
+            if ref is None or d.kernel not in ref.kernels or d.kernel in ref.derived:
+                raise InvalidFileError(f"attention: {d.kernel!r} is derived from {d.reference!r}, which has no "
+                                       f"measured rates of it")
+            for (k, causal, dim), like_here in self.series:
+                if k != d.like:
+                    continue
+                pairs = [(ref.rate(d.kernel, causal, dim, s), ref.rate(d.like, causal, dim, s)) for s in self.seq]
+                if any(a is None or b is None for a, b in pairs):
+                    continue
+                series.append(((d.kernel, causal, dim), tuple(r * a / b for r, (a, b) in zip(like_here, pairs))))
+            if not any(k == d.kernel for (k, _, _), _ in series):
+                raise InvalidFileError(f"attention: nothing to derive {d.kernel!r} from: {d.like!r} is not "
+                                       f"measured at the same masks and head dims here and on {d.reference!r}")
+        return dataclasses.replace(self, series=tuple(sorted(series)))
 
     @property
     def kernels(self) -> tuple[str, ...]:
@@ -133,6 +183,25 @@ def parse_attention(raw, path: Path, statuses: tuple[str, ...]) -> AttentionRate
                     problems.append(f"{kernel}.{mask}.{dim}: give a head dim and {len(seq)} positive rates (one per seq)")
                     continue
                 series.append(((kernel, _MASKS[mask], int(dim)), tuple(float(r) * 1e12 for r in rates)))
+    derivations = _derivations(raw.get("derived", {}), set(tables), problems)
     if problems:
         raise InvalidFileError(f"{where}: " + "; ".join(problems))
-    return AttentionRates(tuple(seq), tuple(sorted(series)), f"{raw['status']}: {raw['source']}")
+    return AttentionRates(tuple(seq), tuple(sorted(series)), f"{raw['status']}: {raw['source']}", derivations)
+
+
+def _derivations(raw, measured: set[str], problems: list[str]) -> tuple[Derivation, ...]:
+    """The section's ``"derived"`` kernels: each names a measured kernel it is like, a reference
+    preset and a source."""
+    if not isinstance(raw, dict):
+        problems.append("derived must map kernel names to {\"like\", \"from\", \"source\"}")
+        return ()
+    out = []
+    for kernel, entry in raw.items():
+        ok = isinstance(entry, dict) and set(entry) == {"like", "from", "source"} and all(
+            isinstance(v, str) and v.strip() for v in entry.values())
+        if kernel not in KERNELS or kernel in measured or not ok or entry["like"] not in measured:
+            problems.append(f"derived.{kernel}: a kernel not measured here, with a measured kernel it is \"like\", "
+                            f"the preset it is derived \"from\" and a \"source\"")
+            continue
+        out.append(Derivation(kernel, entry["like"], entry["from"], entry["source"]))
+    return tuple(out)

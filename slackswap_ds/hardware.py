@@ -25,7 +25,8 @@ Optional scalars (a preset without them keeps the plain roofline): ``sm_count`` 
 STREAM-like copy, below the read bandwidth ``hbm_bps``), ``kernel_overhead_s`` is the fixed time each
 kernel adds (launch and the gap between dependent kernels), ``sustained_clock_fraction`` is the share of
 its curves' compute rates (GEMM, attention) a GPU holds once training keeps it at its power limit, when
-the curves were measured in short bursts at the boost clock.
+the curves were measured in short bursts at the boost clock, ``nccl_sms`` is how many SMs a running NCCL
+collective holds: compute that overlaps one runs on the rest (`Hardware.beside_collective`).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from .attention_rates import AttentionRates, AttentionShape, parse_attention
+from .attention_rates import AttentionRates, AttentionShape, Derivation, parse_attention
 from .errors import InvalidFileError, UnknownNameError
 from .files import read_json
 
@@ -126,6 +127,10 @@ class Hardware:
     elementwise_bps: float = math.nan  # what memory-bound kernels achieve; nan: hbm_bps
     kernel_overhead_s: float = 0.0  # fixed cost of each kernel (launch, gap between dependent kernels)
     sustained_clock_fraction: float = 1.0  # of its curves' (burst-clock) compute rates a power-saturated GPU holds
+    nccl_sms: int = 0  # SMs a running NCCL collective holds (0: compute beside a collective is not slowed)
+    # Not preset parameters: what a collective running beside the compute takes (`beside_collective`)
+    sms_taken: int = 0
+    hbm_bps_taken: float = 0.0
 
     @classmethod
     def instant_copies(cls) -> "Hardware":
@@ -146,14 +151,32 @@ class Hardware:
         return bool(self.sm_count) and self.gemm_flops is not None and bool(self.gemm_shapes)
 
     def tile_efficiency(self, shape: GemmShape) -> float:
+        """Tile and wave quantization of `shape` on the SMs compute has (all but `sms_taken`)."""
         batch, m, n, _ = shape
-        return tile_efficiency(batch, m, n, self.sm_count)
+        return tile_efficiency(batch, m, n, self.sm_count - self.sms_taken)
+
+    @property
+    def _compute_share(self) -> float:
+        """Share of the GPU's compute rate its kernels get: the sustained clock, less the SMs a
+        collective beside them holds."""
+        sms = (self.sm_count - self.sms_taken) / self.sm_count if self.sms_taken else 1.0
+        return self.sustained_clock_fraction * sms
+
+    def beside_collective(self, link_bps: float) -> "Hardware":
+        """This GPU as compute kernels find it while an NCCL collective at bus bandwidth `link_bps`
+        runs beside them: `nccl_sms` fewer SMs (NCCL's blocks take an SM each and share it with no
+        other kernel) and HBM less `NCCL_HBM_BYTES_PER_LINK_BYTE` times the link traffic. Unchanged
+        on a preset without `nccl_sms`."""
+        if not self.nccl_sms:
+            return self
+        return dataclasses.replace(self, sms_taken=self.nccl_sms,
+                                   hbm_bps_taken=NCCL_HBM_BYTES_PER_LINK_BYTE * link_bps)
 
     @cached_property
     def _unquantized_gemm_flops(self) -> Curve:
-        """The GEMM curve with each measured point's own tile efficiency divided out: what a GEMM
-        of that size does per useful tile."""
-        return Curve(tuple((x, y / self.tile_efficiency(shape))
+        """The GEMM curve with each measured point's own tile efficiency (on all its SMs) divided
+        out: what a GEMM of that size does per useful tile."""
+        return Curve(tuple((x, y / tile_efficiency(shape[0], shape[1], shape[2], self.sm_count))
                            for (x, y), shape in zip(self.gemm_flops.points, self.gemm_shapes)))
 
     def gemm_s(self, flops: float, shape: GemmShape | None = None) -> float:
@@ -164,13 +187,15 @@ class Hardware:
         if flops <= 0:
             return 0.0
         if shape is None or not self.by_shape:
-            return flops / (self.gemm_rate(flops) * self.sustained_clock_fraction)
+            return flops / (self.gemm_rate(flops) * self._compute_share)
         rate = self._unquantized_gemm_flops.at(flops) * self.tile_efficiency(shape)
-        return flops / (rate * self.sustained_clock_fraction)
+        return flops / (rate * self._compute_share)
 
     def elementwise_s(self, nbytes: float) -> float:
         """Seconds of memory-bound work reading and writing `nbytes` in all."""
-        rate = self.hbm_bps if math.isnan(self.elementwise_bps) else self.elementwise_bps
+        rate = (self.hbm_bps if math.isnan(self.elementwise_bps) else self.elementwise_bps) - self.hbm_bps_taken
+        if rate <= 0:
+            raise ValueError(f"hardware {self.name!r}: a collective beside the compute takes all of HBM")
         return nbytes / rate
 
     def attention_s(self, flops: float, shape: AttentionShape) -> float:
@@ -183,14 +208,20 @@ class Hardware:
             for kernel in (shape.kernel, "fa2"):
                 s = self.attention_rates.seconds(flops, dataclasses.replace(shape, kernel=kernel))
                 if s is not None:
-                    return s / self.sustained_clock_fraction
+                    return s / self._compute_share
         if self.flash_attention_flops is None:
             return self.gemm_s(flops)
-        return flops / (self.flash_attention_flops.at(flops) * self.sustained_clock_fraction)
+        return flops / (self.flash_attention_flops.at(flops) * self._compute_share)
 
     def attention_kernel_measured(self, kernel: str) -> bool:
-        """Whether this GPU's preset has measured speeds of `kernel` (else FA2's stand in for it)."""
-        return self.attention_rates is not None and kernel in self.attention_rates.kernels
+        """Whether this GPU's preset has measured speeds of `kernel` (else derived ones, or FA2's,
+        stand in for it: `attention_kernel_derived`)."""
+        return (self.attention_rates is not None and kernel in self.attention_rates.kernels
+                and kernel not in self.attention_rates.derived)
+
+    def attention_kernel_derived(self, kernel: str) -> Derivation | None:
+        """How `kernel`'s speed on this GPU was derived, when it was (None: measured, or absent)."""
+        return None if self.attention_rates is None else self.attention_rates.derived.get(kernel)
 
     def collective_s(self, kind: str, nbytes: float, ranks: int) -> float:
         """Seconds of one NCCL collective over `ranks` GPUs of the NVLink board; `nbytes` is the
@@ -224,7 +255,9 @@ class Hardware:
             curves["gemm_shapes"] = [list(sh) for sh in self.gemm_shapes]
         if self.attention_rates is not None:
             curves["attention"] = self.attention_rates.to_json()
-        return _digest({"kind": "gpu", "name": self.name, **self.params(), **({"curves": curves} if curves else {})})
+        taken = {"sms_taken": self.sms_taken, "hbm_bps_taken": self.hbm_bps_taken} if self.sms_taken else {}
+        return _digest({**taken, "kind": "gpu", "name": self.name, **self.params(),
+                        **({"curves": curves} if curves else {})})
 
     def curves(self) -> dict[str, Curve]:
         return {k: getattr(self, k) for k in _CURVES if getattr(self, k) is not None}
@@ -235,7 +268,11 @@ _GPU_PARAMS = (
     "peak_flops matmul_efficiency hbm_bytes hbm_bps d2h_bps h2d_bps duplex_d2h_bps duplex_h2d_bps copy_latency_s"
 ).split()
 _OPTIONAL_GPU_PARAMS = ("sm_count", "elementwise_bps", "kernel_overhead_s",
-                        "sustained_clock_fraction")  # absent: the plain roofline
+                        "sustained_clock_fraction", "nccl_sms")  # absent: the plain roofline
+# HBM bytes an NCCL collective moves per byte on its links: what arrives is stored, then read back to be
+# sent on; NVIDIA/nccl#1428, the NCCL maintainer: "at least 2x ... if you add reading from or writing to
+# user data, it can be 3x". The lower bound is taken.
+NCCL_HBM_BYTES_PER_LINK_BYTE = 2.0
 
 
 @dataclass(frozen=True)
@@ -364,21 +401,29 @@ def _params(data: dict, path: Path, expected: list[str], ints: set[str] = frozen
     return values, tuple(sources)
 
 
-def load_hardware(name_or_path: str | Path) -> Hardware:
+def load_hardware(name_or_path: str | Path, *, _deriving: tuple[str, ...] = ()) -> Hardware:
     """A GPU preset by name (see `preset_names("gpu")`) or a path to a hardware JSON file."""
+    if str(name_or_path) in _deriving:
+        raise InvalidFileError(f"hardware presets derive attention rates from each other in a circle: "
+                               f"{' -> '.join(_deriving + (str(name_or_path),))}")
     data, path = _read(name_or_path, "gpu")
     curves, curve_sources = _curves(data, path)
     expected = [k for k in _GPU_PARAMS if not (k == "matmul_efficiency" and "gemm_flops" in curves)]
     if "gemm_flops" in curves and "matmul_efficiency" in (data.get("params") or {}):
         raise InvalidFileError(f"hardware file {str(path)!r}: give the gemm_flops curve or matmul_efficiency, "
                                f"not both (one owner for matmul speed)")
-    values, sources = _params(data, path, expected, {"sm_count"}, _OPTIONAL_GPU_PARAMS)
+    values, sources = _params(data, path, expected, {"sm_count", "nccl_sms"}, _OPTIONAL_GPU_PARAMS)
+    if values.get("nccl_sms", 0) >= values.get("sm_count", 0) > 0 or ("nccl_sms" in values and "sm_count" not in values):
+        raise InvalidFileError(f"hardware file {str(path)!r}: nccl_sms needs sm_count, and fewer SMs than it")
     if "attention" in data:
         if "flash_attention_flops" in curves:
             raise InvalidFileError(f"hardware file {str(path)!r}: give the flash_attention_flops curve or the "
                                    f"attention section, not both (one owner for attention speed)")
-        curves["attention_rates"] = parse_attention(data["attention"], path, STATUSES)
-        sources += (("attention", curves["attention_rates"].source),)
+        rates = parse_attention(data["attention"], path, STATUSES)
+        curves["attention_rates"] = rates.with_derived(
+            lambda name: load_hardware(name, _deriving=_deriving + (str(name_or_path),)).attention_rates)
+        sources += (("attention", curves["attention_rates"].source),) + tuple(
+            (f"attention.{k}", f"derived: {d.rule}: {d.source}") for k, d in curves["attention_rates"].derived.items())
     values.setdefault("matmul_efficiency", math.nan)  # unused: the curve gives GEMM speed
     if values["matmul_efficiency"] > 1:
         raise InvalidFileError(f"hardware file {str(path)!r}: matmul_efficiency must be in (0, 1]")

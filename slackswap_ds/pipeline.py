@@ -83,6 +83,7 @@ class Job:
     logit_metrics: int = 0  # cross-entropies over the logits after each micro-batch (`logit_metric_s`)
     grad_reduce_bytes: int = GRAD_BYTES  # per gradient element in the data-parallel reduction: 4 when
     # reduced in fp32 (FSDP's MixedPrecision reduce_dtype=float32: torchtitan's, Composer's DEFAULT)
+    sharding: str = "deepspeed"  # with zero 3, whose code shards: `sharded.SHARDINGS` (its own copies differ)
 
     def __post_init__(self) -> None:
         problems = []
@@ -107,6 +108,8 @@ class Job:
             problems.append(f"logit_metrics must be a whole number >= 0, got {self.logit_metrics!r}")
         if self.grad_reduce_bytes not in (2, 4) or isinstance(self.grad_reduce_bytes, bool):
             problems.append(f"grad_reduce_bytes must be 2 (16-bit) or 4 (fp32), got {self.grad_reduce_bytes!r}")
+        if self.sharding not in sharded.SHARDINGS:
+            problems.append(f"sharding must be one of {list(sharded.SHARDINGS)}, got {self.sharding!r}")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         counts = self.stage_layer_counts
@@ -428,36 +431,56 @@ def _collective_s(hw, node: Node, nbytes: float, ranks: int, one_node: bool, kin
                   per_node: int = 1) -> float:
     """An all-reduce (or all-gather / reduce-scatter of the whole buffer) over NVLink (the board's
     measured curve) when the job fits on one node, else over the network: nccl-tests' 2(n-1)/n, or
-    (n-1)/n, of the buffer at the bus bandwidth of the `per_node` GPUs' own links a node gives the
-    group (NCCL runs a ring per NIC, each NIC carrying its share; 4-NIC A100 nodes measure ~4x one
-    NIC's rate, benchmarks/fidelity_sources.md section 5), at most what NVLink carries inside."""
+    (n-1)/n, of the buffer at `_busbw`."""
     if one_node and hw.allreduce_busbw is not None:
         return hw.collective_s(kind, nbytes, ranks)
     factor = 2.0 if kind == "all_reduce" else 1.0
+    return nbytes * factor * (ranks - 1) / ranks / _busbw(hw, node, nbytes, one_node, per_node)
+
+
+def _busbw(hw, node: Node, nbytes: float, one_node: bool, per_node: int = 1) -> float:
+    """The bus bandwidth of a collective of `nbytes`: the board's NVLink curve on one node, else the
+    `per_node` GPUs' own network links a node gives the group (NCCL runs a ring per NIC, each NIC
+    carrying its share; 4-NIC A100 nodes measure ~4x one NIC's rate, benchmarks/fidelity_sources.md
+    section 5), at most what NVLink carries inside."""
+    if one_node and hw.allreduce_busbw is not None:
+        return hw.allreduce_busbw.at(nbytes)
     busbw = per_node * node.internode_busbw
     if per_node > 1 and hw.allreduce_busbw is not None:
         busbw = min(busbw, hw.allreduce_busbw.at(nbytes))
-    return nbytes * factor * (ranks - 1) / ranks / busbw
+    return busbw
 
 
 def _sharded_times(job: Job, hw, node: Node, st: StagePlan, one_node: bool) -> sharded.ShardedTimes:
     """One micro-batch of stage `st` under ZeRO-3: its regions' simulated compute (recompute and
     stalls spread over the regions by their op times) with the gathers and reduce-scatters of
-    `sharded`, over the dp ranks."""
+    `sharded`, over the dp ranks; beside a collective, each region's compute takes what its ops take
+    on `Hardware.beside_collective` (at the bus bandwidth of the largest region's gather)."""
     fwd, bwd = _region_times(st.profile)
     f_scale = st.fwd_s / sum(fwd.values()) if sum(fwd.values()) > 0 else 0.0
     b_scale = st.bwd_s / sum(bwd.values()) if sum(bwd.values()) > 0 else 0.0
     params = job.region_params(st.stage)
     gathers = sharded.gather_bytes(params)
     order = sorted(fwd, key=lambda r: st.profile.region_last_op[r])
+    per_node = job.dp_ranks_per_node(node.gpus)
 
     def collective(kind: str, nbytes: int) -> float:
-        per_node = job.dp_ranks_per_node(node.gpus)
         return _collective_s(hw, node, nbytes, job.dp, one_node, kind, per_node) if job.dp > 1 else 0.0
 
-    regions = [sharded.RegionWork(r, fwd[r] * f_scale, bwd[r] * b_scale, collective("all_gather", gathers.get(r, 0)),
-                                  collective("reduce_scatter", params.get(r, 0) * job.grad_reduce_bytes))
-               for r in order]
+    beside = hw.beside_collective(_busbw(hw, node, max(gathers.values(), default=0), one_node, per_node))
+    fwd_b, bwd_b = (fwd, bwd) if beside is hw or job.dp == 1 else _region_times(stage_profile(job, beside, st.stage))
+
+    def copies_s(nbytes: float) -> float:  # the sharding code's own casts and copies: memory-bound kernels
+        return hw.elementwise_s(nbytes) + hw.kernel_overhead_s if nbytes else 0.0
+
+    regions = []
+    for r in order:
+        gather_copy, reduce_copy = sharded.copy_bytes(job.sharding, params.get(r, 0), job.dp, job.grad_reduce_bytes)
+        fwd_extra, bwd_extra = copies_s(gather_copy), copies_s(gather_copy) + copies_s(reduce_copy)
+        regions.append(sharded.RegionWork(
+            r, fwd[r] * f_scale + fwd_extra, bwd[r] * b_scale + bwd_extra, collective("all_gather", gathers.get(r, 0)),
+            collective("reduce_scatter", params.get(r, 0) * job.grad_reduce_bytes),
+            fwd_b[r] * f_scale + fwd_extra, bwd_b[r] * b_scale + bwd_extra))
     return sharded.micro_batch_times(regions)
 
 

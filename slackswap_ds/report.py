@@ -282,7 +282,9 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
     cut = f"tp {job.par.tp}{' + sp' if job.par.sp else ''}, pp {job.pp}, dp {job.dp}, zero {job.zero}" + \
         (f", {job.chunks} chunks per device (interleaved)" if job.chunks > 1 else "") + \
         (" with optimizer offload" if job.offload_optimizer else "") + \
-        (", gradients reduced during backward" if job.overlap_grad_comm else "")
+        (", gradients reduced during backward" if job.overlap_grad_comm else "") + \
+        (f", sharded by {job.sharding}" if job.zero == 3 and job.sharding != "deepspeed" else "") + \
+        (", fp32 gradient reduction" if job.grad_reduce_bytes == 4 and job.dp > 1 else "")
     lines = [f"{spec.name} on {node_name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
              f"{spec.micro_batch} x {spec.seq} per step and pipeline, "
              f"{'DeepSpeed PipelineEngine schedule' if job.schedule == 'deepspeed' else '1F1B'}",

@@ -69,13 +69,60 @@ def test_a_preset_gives_the_attention_section_or_the_one_speed_curve_never_both(
     assert legacy.digest != A100.digest
 
 
-def test_the_a100_preset_holds_the_published_figure_and_the_h100_falls_back_to_fa2_for_triton():
+def test_the_a100_preset_holds_the_published_figure_and_the_h100_derives_triton_from_fa1():
     # Dao-AILab/flash-attention assets/flash2_a100_fwd_bwd_benchmark.png, causal, head dim 128, seq 2k
     assert A100.attention_rates.rate("fa2", True, 128, 2048) == 155e12
     assert A100.attention_rates.rate("fa-triton", True, 128, 2048) == 68e12
     assert A100.attention_kernel_measured("fa-triton") and not H100.attention_kernel_measured("fa-triton")
-    shape = AttentionShape("fa-triton", 128, 2048, True, 0.53)
+    # no figure of the Triton kernel on H100: FA1's H100 bar (108) times Triton / FA1 on A100 (68 / 69)
+    assert H100.attention_rates.rate("fa-triton", True, 128, 2048) == pytest.approx(108e12 * 68 / 69)
+    assert H100.attention_rates.rate("fa-triton", False, 64, 16384) == pytest.approx(168e12 * 100 / 110)
+    assert H100.attention_kernel_derived("fa-triton").rule == ("fa1's rates on this GPU x fa-triton / fa1 on "
+                                                               "a100-80g-pcie4")
+    assert A100.attention_kernel_derived("fa-triton") is None and H100.attention_kernel_derived("fa2") is None
+    # a kernel with neither a figure nor a derivation runs at FlashAttention-2's speed
+    shape = AttentionShape("xformers", 128, 2048, True, 0.53)
     assert H100.attention_s(1e12, shape) == H100.attention_s(1e12, dataclasses.replace(shape, kernel="fa2"))
+
+
+A100_FILE = hardware_dir() / "a100-80g-pcie4.json"
+
+
+def _preset(tmp_path, name: str, attention: dict) -> None:
+    raw = json.loads(A100_FILE.read_text())
+    raw["name"], raw["attention"] = name, attention
+    (tmp_path / f"{name}.json").write_text(json.dumps(raw))
+
+
+def test_a_derived_kernel_needs_a_reference_that_measured_it_and_a_kernel_it_is_like(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLACKSWAP_HARDWARE_DIR", str(tmp_path))
+    _preset(tmp_path, "ref", section(tflops={"fa1": {"causal": {"64": [50, 100]}},
+                                             "fa-triton": {"causal": {"64": [25, 100]}}}))
+    derive = {"fa-triton": {"like": "fa1", "from": "ref", "source": "same kind of kernel"}}
+    _preset(tmp_path, "new", section(tflops={"fa1": {"causal": {"64": [80, 160]}}}, derived=derive))
+    new = load_hardware("new")
+    assert new.attention_rates.rate("fa-triton", True, 64, 1024) == pytest.approx(40e12)  # 80 x 25 / 50
+    assert new.attention_rates.rate("fa-triton", True, 64, 4096) == pytest.approx(160e12)
+    assert new.attention_kernel_derived("fa-triton").source == "same kind of kernel"
+    bad = [({"fa-triton": {"like": "fa2", "from": "ref", "source": "s"}}, "a measured kernel it is"),  # fa2 not here
+           ({"fa1": {"like": "fa1", "from": "ref", "source": "s"}}, "a kernel not measured here"),
+           ({"fa-triton": {"like": "fa1", "from": "ref"}}, "a \"source\"")]
+    for derived, message in bad:
+        _preset(tmp_path, "bad", section(tflops={"fa1": {"causal": {"64": [80, 160]}}}, derived=derived))
+        with pytest.raises(InvalidFileError, match=message):
+            load_hardware("bad")
+    # the reference must have measured the kernel itself, not derived it
+    _preset(tmp_path, "second", section(tflops={"fa1": {"causal": {"64": [80, 160]}}},
+                                        derived={"fa-triton": {"like": "fa1", "from": "new", "source": "s"}}))
+    with pytest.raises(InvalidFileError, match="which has no measured rates of it"):
+        load_hardware("second")
+    # two presets deriving from each other are named, not recursed into
+    _preset(tmp_path, "a", section(tflops={"fa1": {"causal": {"64": [80, 160]}}},
+                                   derived={"xformers": {"like": "fa1", "from": "b", "source": "s"}}))
+    _preset(tmp_path, "b", section(tflops={"fa1": {"causal": {"64": [80, 160]}}},
+                                   derived={"fa-triton": {"like": "fa1", "from": "a", "source": "s"}}))
+    with pytest.raises(InvalidFileError, match="in a circle: a -> b -> a"):
+        load_hardware("a")
 
 
 def test_a_workload_on_flash_attentions_triton_kernel_runs_its_attention_slower_and_nothing_else():

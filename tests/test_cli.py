@@ -500,6 +500,20 @@ def test_a_fused_kernel_without_a_measured_speed_on_the_gpu_is_said_not_silently
     argv = ["simulate", "-w", "llama-7b", "--attention", "fa-triton", "-p", "slackswap", "--layers", "2",
             "--seq", "256", "--json"]
     assert main([*argv, "--hardware", "h100-pcie5"]) == 0
-    assert "h100-pcie5 has no measured speed of the 'fa-triton' attention kernel" in capsys.readouterr().err
+    assert ("h100-pcie5 has no measured speed of the 'fa-triton' attention kernel; its speed is derived: fa1's "
+            "rates on this GPU x fa-triton / fa1 on a100-80g-pcie4") in capsys.readouterr().err
+    assert main([*argv[:4], "xformers", *argv[5:], "--hardware", "h100-pcie5"]) == 0  # neither measured nor derived
+    assert "'xformers' attention kernel; FlashAttention-2's stands in for it" in capsys.readouterr().err
     assert main([*argv, "--hardware", "a100-80g-pcie4"]) == 0  # measured there: nothing to say
     assert "no measured speed" not in capsys.readouterr().err
+
+
+def test_a_job_names_whose_code_shards_and_a_workload_its_fused_loss(capsys):
+    argv = ["simulate", "-w", "llama-7b", "-p", "keep-all", "--layers", "2", "--seq", "256", "--node", "dgx-a100",
+            "--zero", "3", "--dp", "8", "--reduce-dtype", "fp32", "--budget", "1.0", "--json"]
+    steps = {}
+    for extra in ((), ("--sharding", "fsdp1"), ("--fused-loss",)):
+        assert main([*argv, *extra]) == 0
+        row = json.loads(capsys.readouterr().out)[0]
+        steps[extra] = row["step_s"]
+    assert steps[("--sharding", "fsdp1")] > steps[()] > steps[("--fused-loss",)]

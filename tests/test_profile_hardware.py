@@ -188,3 +188,38 @@ def test_a_sustained_clock_fraction_above_one_is_refused(tmp_path):
     path.write_text(json.dumps(raw))
     with pytest.raises(InvalidFileError, match=r"sustained_clock_fraction must be in \(0, 1\]"):
         load_hardware(path)
+
+
+def test_compute_beside_a_collective_runs_on_the_sms_and_hbm_nccl_leaves_it():
+    """NCCL's blocks hold an SM each and share it with nothing (NVIDIA/nccl#689): beside a collective
+    a GEMM has 108 - 16 SMs on A100 (its waves re-quantized on them), fused attention 92/108 of its
+    rate, and memory-bound kernels HBM less twice the collective's link traffic (NVIDIA/nccl#1428)."""
+    import dataclasses
+
+    from slackswap_ds.attention_rates import AttentionShape
+    from slackswap_ds.hardware import tile_efficiency
+
+    a100 = load_hardware("a100-80g-pcie4")
+    assert (a100.nccl_sms, a100.sm_count) == (16, 108)
+    beside = a100.beside_collective(200e9)
+    f, shape = 2.0 * 8192**3, (1, 8192, 8192, 8192)
+    quantized = tile_efficiency(1, 8192, 8192, 108) / tile_efficiency(1, 8192, 8192, 92)
+    assert beside.gemm_s(f, shape) == pytest.approx(a100.gemm_s(f, shape) * 108 / 92 * quantized, rel=1e-12)
+    assert beside.gemm_s(f) == pytest.approx(a100.gemm_s(f) * 108 / 92, rel=1e-12)  # by FLOPs: the SM share only
+    attn = AttentionShape("fa2", 128, 2048, True, 0.53)
+    assert beside.attention_s(1e12, attn) == pytest.approx(a100.attention_s(1e12, attn) * 108 / 92, rel=1e-12)
+    assert beside.elementwise_s(1e9) == pytest.approx(1e9 / (1.61e12 - 2 * 200e9), rel=1e-12)
+    assert beside.digest != a100.digest and beside.params() == a100.params()
+    with pytest.raises(ValueError, match="takes all of HBM"):
+        a100.beside_collective(1e12).elementwise_s(1.0)
+    plain = dataclasses.replace(a100, nccl_sms=0)  # a preset without the count: compute is not slowed
+    assert plain.beside_collective(200e9) is plain
+
+
+def test_nccl_sms_need_an_sm_count_above_them(tmp_path):
+    raw = json.loads((hardware_dir() / "a100-80g-pcie4.json").read_text())
+    raw["params"]["nccl_sms"]["value"] = 108
+    path = tmp_path / "all.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(InvalidFileError, match="nccl_sms needs sm_count, and fewer SMs than it"):
+        load_hardware(path)

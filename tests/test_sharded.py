@@ -8,7 +8,7 @@ import pytest
 from slackswap_ds.errors import ProfileError
 from slackswap_ds.hardware import load_node
 from slackswap_ds.pipeline import Job, simulate_job
-from slackswap_ds.sharded import RegionWork, gather_bytes, micro_batch_times
+from slackswap_ds.sharded import RegionWork, copy_bytes, gather_bytes, micro_batch_times
 from slackswap_ds.workloads import Parallel, model_params, preset_spec
 
 
@@ -76,3 +76,45 @@ def test_a_data_parallel_group_reduces_over_the_nics_of_its_ranks_on_each_node()
     times = [simulate_job(Job(spec, Parallel(tp), dp=16, zero=1), node, float("inf"), "keep-all").grad_comm_s
              for tp in (1, 4, 8)]
     assert times[0] > 0 and times == pytest.approx([times[0]] * 3, rel=1e-9)
+
+
+def test_compute_beside_a_collective_is_slower_while_it_runs_as_worked_by_hand():
+    """A region's compute runs at its beside speed while the stream's collectives run, at full speed
+    after: with 1 s alone / 2 s beside and a collective for the first 0.5 s, a quarter of the work is
+    done by then and the rest takes 0.75 s."""
+    r = RegionWork("r", 1.0, 2.0, 0.5, 0.0, 2.0, 4.0)
+    assert r.compute_s("fwd", 0.5) == 1.25 and r.compute_s("fwd", 0.0) == 1.0 and r.compute_s("fwd", 3.0) == 2.0
+    assert RegionWork("r", 1.0, 2.0, 0.5, 0.0).compute_s("fwd", 0.5) == 1.0  # no beside time given: not slowed
+    # two regions: forward: gather 0 [0, 0.5]; region 0 from 0.5 beside gather 1 [0.5, 1.0]: 1.25 s, to
+    # 1.75; region 1 [1.75, 2.75] alone. Backward from 2.75: gather 1 [2.75, 3.25]; region 1 from 3.25
+    # beside gather 0 [3.25, 3.75]: 0.5 + (1 - 0.5 / 4) x 2 = 2.25 s, to 5.5; region 0 [5.5, 7.5] alone.
+    t = micro_batch_times([RegionWork(f"r{i}", 1.0, 2.0, 0.5, 0.0, 2.0, 4.0) for i in range(2)])
+    assert (t.fwd_s, t.bwd_s) == (2.75, 4.75)
+    assert t.exposed_s == pytest.approx(2.75 + 4.75 - 6.0)
+
+
+def test_fsdp1_casts_and_pre_divides_each_gradient_in_full_as_worked_by_hand():
+    # 1000 weights over 8 ranks: each gather casts the 125-element fp32 shard to bf16 (4 + 2 bytes
+    # each); each fp32 reduction casts the bf16 gradient to fp32 (2 + 4) and divides it in place (4 + 4)
+    assert copy_bytes("fsdp1", 1000, 8, 4) == (750.0, 14000.0)
+    assert copy_bytes("fsdp1", 1000, 8, 2) == (750.0, 4000.0)  # 16-bit reduce: no cast, a 16-bit divide
+    assert copy_bytes("fsdp1", 1000, 1, 4) == (0.0, 0.0) == copy_bytes("deepspeed", 1000, 8, 4)
+    node = load_node("dgx-a100")
+    spec = preset_spec("llama-7b", layers=2, seq=512, micro_batch=1)
+    ds, fsdp = (simulate_job(Job(spec, dp=8, zero=3, grad_reduce_bytes=4, sharding=s), node, float("inf"), "keep-all")
+                for s in ("deepspeed", "fsdp1"))
+    assert fsdp.step_s > ds.step_s
+    with pytest.raises(ProfileError, match="sharding must be one of"):
+        Job(spec, dp=8, zero=3, sharding="fsdp3")
+
+
+def test_a_zero3_step_is_slower_on_a_gpu_whose_collectives_take_sms():
+    import dataclasses
+
+    node = load_node("dgx-a100")
+    plain = dataclasses.replace(node, gpu=dataclasses.replace(node.gpu, nccl_sms=0))
+    spec = preset_spec("llama-7b", layers=2, seq=512, micro_batch=1)
+    taken, free = (simulate_job(Job(spec, dp=8, zero=3), n, float("inf"), "keep-all") for n in (node, plain))
+    assert taken.step_s > free.step_s
+    one = [simulate_job(Job(spec, dp=1, zero=3), n, float("inf"), "keep-all").step_s for n in (node, plain)]
+    assert one[0] == one[1]  # no collectives, nothing beside the compute

@@ -529,3 +529,18 @@ def test_mixture_of_experts_bytes_and_flops_scale_with_experts_per_token():
     assert layer_forward_flops(two) - layer_forward_flops(one) == pytest.approx(expert_flops, rel=1e-12)
     with pytest.raises(ProfileError, match="experts_per_token"):
         dataclasses.replace(base, experts_per_token=9)
+
+
+def test_a_fused_loss_reads_the_logits_once_and_saves_their_16_bit_gradient():
+    """llm.c's fused_classifier: one kernel per micro-step reads each logit and writes its gradient
+    over it; nothing is left for a backward kernel, and the saved tensor is the 16-bit dlogits."""
+    spec = small_spec(dropout=0.0)
+    fused = dataclasses.replace(spec, fused_loss=True)
+    logits = spec.micro_batch * spec.seq * spec.vocab
+    plain_p, fused_p = transformer_profile(spec, HW), transformer_profile(fused, HW)
+    assert plain_p.by_key["head:ce.logprobs"].bytes == 4 * logits
+    assert fused_p.by_key["head:ce.dlogits"].bytes == 2 * logits and "head:ce.logprobs" not in fused_p.by_key
+    op = next(o for o in fused_p.ops if o.key == "head:2:cross_entropy")
+    assert op.fwd_s == pytest.approx(HW.elementwise_s(4 * logits) + HW.kernel_overhead_s) and op.bwd_s == 0.0
+    with pytest.raises(ProfileError, match="fused_loss must be True or False"):
+        dataclasses.replace(spec, fused_loss=1)

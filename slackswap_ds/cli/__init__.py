@@ -94,6 +94,8 @@ def _overrides(args: argparse.Namespace) -> dict[str, int | bool]:
         out["flash"] = attention != "eager"
         if attention != "eager":
             out["attention_kernel"] = FLASH_KERNELS[attention]
+    if getattr(args, "fused_loss", False):
+        out["fused_loss"] = True
     return out
 
 
@@ -124,16 +126,21 @@ def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workloa
             spec = dataclasses.replace(spec, layers=args.layers)
         if flash:
             spec = dataclasses.replace(spec, attention_kernel=FLASH_KERNELS[args.attention])
+        if getattr(args, "fused_loss", False):
+            spec = dataclasses.replace(spec, fused_loss=True)
         out.append(Workload(spec.name, spec, False, False))
     return out
 
 
 def _say_unmeasured_attention(workloads: Sequence[Workload], hw) -> None:
-    """A fused kernel with no measured speed on this GPU runs at FlashAttention-2's: said, not silent."""
+    """A fused kernel with no measured speed on this GPU runs at a derived speed or FlashAttention-2's:
+    said, not silent."""
     for kernel in sorted({wl.spec.attention_kernel for wl in workloads if wl.spec.flash}):
-        if hw.attention_rates is not None and not hw.attention_kernel_measured(kernel):
-            print(f"note: {hw.name} has no measured speed of the {kernel!r} attention kernel; FlashAttention-2's "
-                  f"stands in for it", file=sys.stderr)
+        if hw.attention_rates is None or hw.attention_kernel_measured(kernel):
+            continue
+        derived = hw.attention_kernel_derived(kernel)
+        stand_in = f"its speed is derived: {derived.rule}" if derived else "FlashAttention-2's stands in for it"
+        print(f"note: {hw.name} has no measured speed of the {kernel!r} attention kernel; {stand_in}", file=sys.stderr)
 
 
 def _parallel(args: argparse.Namespace) -> Parallel:
@@ -220,8 +227,8 @@ def _layer_counts(text: str) -> tuple[int, ...]:
 
 def _is_job(args: argparse.Namespace) -> bool:
     return (args.pp, args.dp, args.zero, args.micro_batches, args.offload_optimizer, args.overlap_comm,
-            args.schedule, args.stage_layers, args.partition_activations, args.chunks, args.reduce_dtype) != \
-        (1, 1, 0, 1, False, False, "1f1b", (), False, 1, "bf16")
+            args.schedule, args.stage_layers, args.partition_activations, args.chunks, args.reduce_dtype,
+            args.sharding) != (1, 1, 0, 1, False, False, "1f1b", (), False, 1, "bf16", "deepspeed")
 
 
 def cmd_simulate_job(args: argparse.Namespace) -> int:
@@ -245,7 +252,7 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
     for wl in workloads:
         job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
                   args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations, args.chunks,
-                  grad_reduce_bytes=4 if args.reduce_dtype == "fp32" else 2)
+                  grad_reduce_bytes=4 if args.reduce_dtype == "fp32" else 2, sharding=args.sharding)
         ideal = ideal_step_s(job, node)
         for budget in budgets:
             if not budget.is_fraction:
@@ -352,6 +359,9 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
                         "backend), 'fa1' FlashAttention v1, 'fa-triton' its Triton version (llm-foundry's "
                         "attn_impl: triton), 'xformers'; default: the preset's, or by family for --model (flash "
                         "for llama/mistral/qwen2/mixtral)")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="the loss is one kernel that reads the logits once and writes their gradient in place "
+                        "(llm.c's fused_classifier), not PyTorch's log-softmax saved for a backward kernel")
     p.add_argument("--tp", type=_positive_int, default=1, metavar="T",
                    help="tensor-parallel degree: simulate one rank of a Megatron-style T-way cut (default 1)")
     p.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (Korthikanti et al.)")
@@ -377,6 +387,10 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
                    help="ZeRO-Offload: optimizer state and step on the CPU (needs --zero 1 or 2)")
     p.add_argument("--overlap-comm", action="store_true",
                    help="reduce each layer's gradients while backward goes on (DeepSpeed's overlap_comm)")
+    p.add_argument("--sharding", choices=("deepspeed", "fsdp1"), default="deepspeed",
+                   help="with --zero 3, whose code shards: DeepSpeed ZeRO-3 (default; its own copies not modelled) "
+                        "or PyTorch FSDP's FlatParameter (casts each gathered shard to 16 bits, and each gradient "
+                        "to the reduce dtype and pre-divides it in full)")
     p.add_argument("--reduce-dtype", choices=("bf16", "fp32"), default="bf16",
                    help="data-parallel gradient reduction in 16 bits (default; bf16 or fp16) or fp32 (FSDP's "
                         "MixedPrecision reduce_dtype=float32, as torchtitan and Composer's DEFAULT do)")

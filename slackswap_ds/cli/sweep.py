@@ -280,6 +280,7 @@ def job_row(wl: Workload, job: Job, node: Node, budget: Budget, planner: str, re
     row = {"workload": wl.name, "node": node.name, "tp": job.par.tp, "sp": job.par.sp, "pp": job.pp, "dp": job.dp,
            "zero": job.zero, "micro_batches": job.micro_batches, "offload_optimizer": job.offload_optimizer,
            "overlap_comm": job.overlap_grad_comm, "schedule": job.schedule, "chunks": job.chunks,
+           "sharding": job.sharding, "grad_reduce_bytes": job.grad_reduce_bytes,
            "budget": budget.json_value, "planner": planner, "ideal_s": ideal, "feasible": res is not None}
     if res is None:
         return {**row, "error": err}

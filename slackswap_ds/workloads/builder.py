@@ -256,10 +256,18 @@ def add_head(builder: CostBuilder) -> None:
     # the log-probs and writes dlogits. Vocab-parallel: max, sum of exponentials and the target's
     # logit are all-reduced (3 fp32 per token).
     # (timed as one all-reduce before the fused op that writes the log-probs).
+    # With `fused_loss` one kernel reads the logits and writes their gradient over them (llm.c's
+    # fused_classifier): nothing left for backward but the 16-bit dlogits it saved.
     all_reduce = []
     if tp > 1:
         all_reduce.append(builder.collective(region, module, "ce_all_reduce", (("all_reduce", 3 * FP32 * tokens),), ()))
-    cross_entropy = builder.hbm(region, module, "cross_entropy", tokens * vocab_per_rank * (bytes_per_element + FP32),
-                                tokens * vocab_per_rank * (FP32 + bytes_per_element))
-    builder.save(f"{module}:ce.logprobs", FP32 * tokens * vocab_per_rank, [cross_entropy],
-                 gather + [lm_head] + all_reduce + [cross_entropy], [f"{module}:norm.out"])
+    logits = tokens * vocab_per_rank
+    if spec.fused_loss:
+        cross_entropy = builder.hbm(region, module, "cross_entropy", logits * 2 * bytes_per_element, 0)
+        saved, saved_bytes = f"{module}:ce.dlogits", bytes_per_element * logits
+    else:
+        cross_entropy = builder.hbm(region, module, "cross_entropy", logits * (bytes_per_element + FP32),
+                                    logits * (FP32 + bytes_per_element))
+        saved, saved_bytes = f"{module}:ce.logprobs", FP32 * logits
+    builder.save(saved, saved_bytes, [cross_entropy], gather + [lm_head] + all_reduce + [cross_entropy],
+                 [f"{module}:norm.out"])

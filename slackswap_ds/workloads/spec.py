@@ -41,6 +41,9 @@ class ModelSpec:
     tied_embeddings: bool = False  # the LM head reuses the embedding table (GPT-2, BERT): one copy of its weights
     causal: bool = False  # decoder attention (GPT, Llama): a fused kernel skips the masked blocks
     attention_kernel: str = DEFAULT_KERNEL  # with `flash`: which fused kernel (`attention_rates.KERNELS`)
+    # The loss's forward and backward are one kernel that reads each logit once and writes its gradient
+    # in place (llm.c's fused_classifier), not a log-softmax saved for a backward kernel (PyTorch's)
+    fused_loss: bool = False
 
     def __post_init__(self) -> None:
         problems: list[str] = []
@@ -72,7 +75,7 @@ class ModelSpec:
             problems.append(f"dropout must be a probability in [0, 1), got {d!r}")
         if self.dtype_bytes not in (2, 4) or isinstance(self.dtype_bytes, bool):
             problems.append(f"dtype_bytes must be 2 (bf16/fp16) or 4 (fp32), got {self.dtype_bytes!r}")
-        for f in ("flash", "rope", "tied_embeddings", "causal"):
+        for f in ("flash", "rope", "tied_embeddings", "causal", "fused_loss"):
             if not isinstance(getattr(self, f), bool):
                 problems.append(f"{f} must be True or False, got {getattr(self, f)!r}")
         if self.attention_kernel not in KERNELS:
