@@ -166,8 +166,8 @@ class Hardware:
         """This GPU as compute kernels find it while an NCCL collective at bus bandwidth `link_bps`
         runs beside them: `nccl_sms` fewer SMs (NCCL's blocks take an SM each and share it with no
         other kernel) and HBM less `NCCL_HBM_BYTES_PER_LINK_BYTE` times the link traffic. Unchanged
-        on a preset without `nccl_sms`."""
-        if not self.nccl_sms:
+        on a preset without `nccl_sms` (or without more SMs than that)."""
+        if not self.nccl_sms or self.nccl_sms >= self.sm_count:
             return self
         return dataclasses.replace(self, sms_taken=self.nccl_sms,
                                    hbm_bps_taken=NCCL_HBM_BYTES_PER_LINK_BYTE * link_bps)
@@ -413,7 +413,7 @@ def load_hardware(name_or_path: str | Path, *, _deriving: tuple[str, ...] = ()) 
         raise InvalidFileError(f"hardware file {str(path)!r}: give the gemm_flops curve or matmul_efficiency, "
                                f"not both (one owner for matmul speed)")
     values, sources = _params(data, path, expected, {"sm_count", "nccl_sms"}, _OPTIONAL_GPU_PARAMS)
-    if values.get("nccl_sms", 0) >= values.get("sm_count", 0) > 0 or ("nccl_sms" in values and "sm_count" not in values):
+    if "nccl_sms" in values and values["nccl_sms"] >= values.get("sm_count", 0):
         raise InvalidFileError(f"hardware file {str(path)!r}: nccl_sms needs sm_count, and fewer SMs than it")
     if "attention" in data:
         if "flash_attention_flops" in curves:

@@ -28,14 +28,14 @@ MASTER_BYTES = 4  # the fp32 shard each rank keeps and casts to 16 bits before i
 # Whose code shards the parameters. Their own memory-bound work around the collectives differs:
 SHARDINGS = {
     "deepspeed": "DeepSpeed ZeRO-3 (its own copies are not modelled)",
-    "fsdp1": "PyTorch FSDP (FlatParameter; torch <= 2.3, Composer): casts and pre-divides each gradient in full",
+    "fsdp1": "PyTorch FSDP (FullyShardedDataParallel's FlatParameter; Composer's): casts each gradient in full",
 }
 
 
 def copy_bytes(sharding: str, params: int, dp: int, reduce_bytes: int) -> tuple[float, float]:
     """HBM bytes the sharding code itself moves for a region of `params` weights: per gather (each
     pass) and per gradient reduction (each micro-batch's backward). PyTorch FSDP with MixedPrecision
-    (torch/distributed/fsdp/_runtime_utils.py, unchanged from 2.1 to 2.5):
+    (torch/distributed/fsdp/_runtime_utils.py; the same in the older and the recent version read):
 
     * before each all-gather, the rank's fp32 shard is cast to 16 bits (``_use_low_precision_shard``:
       read 4, write 2 bytes per shard element);

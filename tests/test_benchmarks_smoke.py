@@ -247,6 +247,18 @@ def test_fidelity_prints_every_row_with_its_ratio(tmp_path, capsys):
     assert "rows within" in capsys.readouterr().out
 
 
+def test_fidelity_sweep_simulates_every_row_of_the_table_and_sums_up_each_gpu(tmp_path, capsys):
+    from benchmarks import fidelity_sweep
+
+    out = tmp_path / "sweep.json"
+    assert fidelity_sweep.main(["--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert len(rows) == 96 and {r["gpu"] for r in rows} == {"a100_80gb", "h100_80gb"}  # every 8-GPU bf16 row
+    assert all(r["ratio"] == r["predicted"] / float(r["tokens_per_s_per_gpu"]) for r in rows)
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("a100_80gb:", "h100_80gb:"))]
+    assert len(summary) == 2 and all("median by sequence length" in line for line in summary)
+
+
 def test_zero_offload_compares_both_plans(capsys):
     from benchmarks import zero_offload
 

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from jobs import ROOT, assert_own_lengths_exact, launch_in_turn
+from jobs import ROOT, assert_own_lengths_exact, launch_in_turn, sharing
 from test_run import HF, SLACKSWAP
 
 pytest.importorskip("deepspeed")
@@ -49,6 +49,7 @@ def zero_plans_job(tmp_path_factory) -> dict:
                   logs[run]) for run, _ in runs}
 
 
+@sharing("zero_plans_job")
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("plan", [name for name, _ in PLANS])
 def test_every_plan_is_exact_and_within_budget_under_zero(zero_plans_job, stage, plan):
@@ -89,6 +90,7 @@ def hf_zero_plans_job(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
+@sharing("hf_zero_plans_job")
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("plan", [name for name, _ in PLANS])
 def test_every_plan_is_exact_and_within_budget_under_zero_through_the_hf_trainer(hf_zero_plans_job, stage, plan):
