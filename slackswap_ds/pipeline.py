@@ -390,21 +390,22 @@ def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[Pip
     """When stage `st`'s replicas have reduced their gradients (all-reduce, or reduce-scatter +
     all-gather with ZeRO >= 1: 2(n-1)/n of the buffer either way), over NVLink on one node, else
     over the network links of its ranks on each node. One bucket per region, sent in backward order, each as soon
-    as the last micro-batch's backward of its region is done when `overlap_grad_comm`, else all
-    after the stage's last backward."""
+    as the last micro-batch's backward of its region is done when `overlap_grad_comm` (that backward
+    then slower beside them, `sharded.backward_with_reductions`), else all after the stage's last backward."""
     last = max((e for e in events if e.stage == st.stage and e.kind == "B"), key=lambda e: e.end)
-    params = job.region_params(st.stage)
+    params, per_node = job.region_params(st.stage), job.dp_ranks_per_node(node.gpus)
     _, bwd = _region_times(st.profile)
     order = sorted(bwd, key=lambda r: -st.profile.region_last_op[r])  # backward visits regions in reverse
-    scale = (last.end - last.start) / sum(bwd.values()) if sum(bwd.values()) > 0 else 0.0
-    t, done = 0.0, last.start
-    for r in order:
-        done += bwd[r] * scale  # the region's backward ends (recompute and stalls spread evenly)
-        nbytes = params.get(r, 0) * job.grad_reduce_bytes
-        if nbytes:
-            t = (max(t, done if job.overlap_grad_comm else last.end)
-                 + _collective_s(hw, node, nbytes, job.dp, one_node, per_node=job.dp_ranks_per_node(node.gpus)))
-    return max(last.end, t)
+    scale = (last.end - last.start) / sum(bwd.values()) if sum(bwd.values()) > 0 else 0.0  # recompute, stalls
+    reduce_s = {r: _collective_s(hw, node, params.get(r, 0) * job.grad_reduce_bytes, job.dp, one_node,
+                                 per_node=per_node) if params.get(r, 0) else 0.0 for r in order}
+    if not job.overlap_grad_comm:
+        return last.end + sum(reduce_s.values())
+    beside = hw.beside_collective(_busbw(hw, node, max(params.values(), default=0) * job.grad_reduce_bytes,
+                                         one_node, per_node))
+    bwd_b = bwd if beside is hw else _region_times(stage_profile(job, beside, st.stage))[1]
+    regions = [sharded.RegionWork(r, 0.0, bwd[r] * scale, 0.0, reduce_s[r], -1.0, bwd_b[r] * scale) for r in order]
+    return max(sharded.backward_with_reductions(regions, last.start))
 
 
 def partitioned_gathers_s(job: Job, hw, st: StagePlan) -> float:

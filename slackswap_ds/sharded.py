@@ -121,3 +121,14 @@ def micro_batch_times(regions: list[RegionWork]) -> ShardedTimes:
     fwd_end = pass_(regions, "fwd", 0.0, False)  # (no collective outlives the last region's gather)
     bwd_end = pass_(list(reversed(regions)), "bwd", fwd_end, True)
     return ShardedTimes(fwd_end, bwd_end - fwd_end, bwd_end - compute_only)
+
+
+def backward_with_reductions(regions: list[RegionWork], t0: float) -> tuple[float, float]:
+    """A backward from `t0` whose regions (in backward order) reduce their gradients as each ends, on
+    one stream beside the compute (DDP's and DeepSpeed's ``overlap_comm``), each region's compute
+    slower while a reduction runs (`RegionWork.compute_s`): when the compute and the last reduction end."""
+    end = comm_free = t0
+    for r in regions:
+        end += r.compute_s("bwd", comm_free - end)
+        comm_free = max(comm_free, end) + r.reduce_s
+    return end, comm_free

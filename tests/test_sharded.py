@@ -8,7 +8,7 @@ import pytest
 from slackswap_ds.errors import ProfileError
 from slackswap_ds.hardware import load_node
 from slackswap_ds.pipeline import Job, simulate_job
-from slackswap_ds.sharded import RegionWork, copy_bytes, gather_bytes, micro_batch_times
+from slackswap_ds.sharded import RegionWork, backward_with_reductions, copy_bytes, gather_bytes, micro_batch_times
 from slackswap_ds.workloads import Parallel, model_params, preset_spec
 
 
@@ -118,3 +118,26 @@ def test_a_zero3_step_is_slower_on_a_gpu_whose_collectives_take_sms():
     assert taken.step_s > free.step_s
     one = [simulate_job(Job(spec, dp=1, zero=3), n, float("inf"), "keep-all").step_s for n in (node, plain)]
     assert one[0] == one[1]  # no collectives, nothing beside the compute
+
+
+def test_reductions_during_backward_slow_the_regions_they_overlap_as_worked_by_hand():
+    """DDP / ZeRO-1/2 with overlap_comm: region a (1 s alone, 2 s beside) ends at 1 and reduces for
+    0.5 s; region b runs beside that reduction for 0.5 s (a quarter of its beside time, so a quarter
+    of its work), then 0.75 s alone: ends at 2.25 and reduces to 2.75."""
+    regions = [RegionWork(r, 0.0, 1.0, 0.0, 0.5, -1.0, 2.0) for r in ("a", "b")]
+    assert backward_with_reductions(regions, 0.0) == (2.25, 2.75)
+    assert backward_with_reductions([RegionWork("a", 0.0, 1.0, 0.0, 0.5)], 3.0) == (4.0, 4.5)  # no beside time
+
+
+def test_an_overlapped_data_parallel_reduction_costs_compute_on_a_gpu_whose_collectives_take_sms():
+    import dataclasses
+
+    node = load_node("dgx-a100")
+    plain = dataclasses.replace(node, gpu=dataclasses.replace(node.gpu, nccl_sms=0))
+    spec = preset_spec("llama-7b", layers=2, seq=512, micro_batch=1)
+    overlapped = Job(spec, dp=8, zero=1, overlap_grad_comm=True)
+    taken, free = (simulate_job(overlapped, n, float("inf"), "keep-all").step_s for n in (node, plain))
+    assert taken > free
+    after = Job(spec, dp=8, zero=1)  # reduced after the backward: nothing runs beside the compute
+    assert (simulate_job(after, node, float("inf"), "keep-all").step_s
+            == simulate_job(after, plain, float("inf"), "keep-all").step_s)
