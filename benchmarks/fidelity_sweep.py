@@ -11,8 +11,8 @@ kernel; `fidelity._mpt` for the model). Nothing here was fitted to these rows: t
 fidelity.py's table, the rest were never looked at while the cost model was built.
 
 It prints every row, then per GPU the share within +-5% and +-10% and the median ratio by sequence
-length, where the misses are systematic: too slow at 16k and longer (attention of the Triton kernel
-held at its longest measured length, 16k), too fast at 512-1024 on short, small models.
+length, where the misses are systematic: too slow at 16k and longer (the Triton kernel's attention
+rate is held at the published figure's longest length, 16k), a little too fast at 512-1024.
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def test_every_preset_loads_and_cites_every_parameter():
         hw = load_hardware(name)
         cited = {k for k, _ in hw.sources}
         # every scalar but matmul_efficiency, which a measured GEMM curve replaces, and every curve
-        tables = {"attention"} if hw.attention_rates is not None else set()
+        tables = ({"attention"} | {f"attention.{k}" for k in hw.attention_rates.derived}
+                  if hw.attention_rates is not None else set())  # a derived kernel cites its rule and source
         assert cited == set(hw.params()) - {"matmul_efficiency"} | set(hw.curves()) | tables, name
         assert all(src.split(":")[0] in STATUSES for _, src in hw.sources)
         assert hw.gemm_flops is not None  # every preset times GEMMs by their size
