@@ -20,8 +20,8 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
   same bytes) over NVLink when the job fits on one node, else over the network links of the group's
   ranks on each node (`Job.dp_ranks_per_node`: one NIC per GPU, a ring per NIC), one bucket per
   layer: after the stage's last backward (DeepSpeed's `overlap_comm` defaults to false for ZeRO 1-2),
-  or with `overlap_grad_comm` each bucket as soon as its layer's last backward is done.
-  Then the optimizer: fused Adam at HBM speed over
+  or with `overlap_grad_comm` each bucket as soon as its layer's last backward is done (that backward
+  then slower beside them, `Hardware.beside_collective`). Then the optimizer: fused Adam at HBM speed over
   this rank's parameters (1/dp of them with ZeRO >= 1), or with ZeRO-Offload CPU Adam at this
   GPU's share of its socket's memory bandwidth plus the copy of the updated 16-bit parameters back
   to the device. Stage-to-stage sends carry one micro-batch's boundary activation (1/tp of it per
@@ -30,9 +30,6 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
 * ZeRO-3 (FSDP FULL_SHARD): every micro-batch gathers each region's parameters before it runs, in
   forward and again in backward, and reduce-scatters its gradients (`sharded`); no gradient
   reduction after the pipeline.
-
-Not modelled: plans that know a stage's finished forwards are held k-1 times (the per-micro-batch
-planners never drop tensors of the region that runs last, which 1F1B still holds).
 
 Every rate comes from the hardware presets; the step is deterministic.
 """
@@ -110,6 +107,8 @@ class Job:
             problems.append(f"grad_reduce_bytes must be 2 (16-bit) or 4 (fp32), got {self.grad_reduce_bytes!r}")
         if self.sharding not in sharded.SHARDINGS:
             problems.append(f"sharding must be one of {list(sharded.SHARDINGS)}, got {self.sharding!r}")
+        elif self.sharding != "deepspeed" and self.zero != 3:
+            problems.append(f"sharding {self.sharding!r} is how ZeRO-3 / FSDP FULL_SHARD shards: it needs zero 3")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         counts = self.stage_layer_counts

@@ -106,6 +106,8 @@ def test_fsdp1_casts_and_pre_divides_each_gradient_in_full_as_worked_by_hand():
     assert fsdp.step_s > ds.step_s
     with pytest.raises(ProfileError, match="sharding must be one of"):
         Job(spec, dp=8, zero=3, sharding="fsdp3")
+    with pytest.raises(ProfileError, match="sharding 'fsdp1' is how ZeRO-3 / FSDP FULL_SHARD shards: it needs zero 3"):
+        Job(spec, dp=8, zero=1, sharding="fsdp1")  # said, not silently ignored
 
 
 def test_a_zero3_step_is_slower_on_a_gpu_whose_collectives_take_sms():
