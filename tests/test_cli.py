@@ -517,3 +517,9 @@ def test_a_job_names_whose_code_shards_and_a_workload_its_fused_loss(capsys):
         row = json.loads(capsys.readouterr().out)[0]
         steps[extra] = row["step_s"]
     assert steps[("--sharding", "fsdp1")] > steps[()] > steps[("--fused-loss",)]
+    ideal = {}
+    for extra in ((), ("--fused-loss",)):  # a --model takes the same overrides as a preset
+        assert main(["simulate", "--model", f"{HF}/gpt2-xl.json", "--seq", "256", "--micro-batch", "2", "--layers",
+                     "2", "-p", "keep-all", "--json", *extra]) == 0
+        ideal[extra] = json.loads(capsys.readouterr().out)[0]["ideal_s"]
+    assert ideal[("--fused-loss",)] < ideal[()]

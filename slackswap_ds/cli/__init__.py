@@ -121,13 +121,8 @@ def _workloads(args: argparse.Namespace, default: Sequence[str]) -> list[Workloa
             raise SlackSwapError(f"--model {path}: give --seq and --micro-batch too (a config.json holds the "
                                  f"model, not the shape of its training batches)")
         flash = None if args.attention is None else args.attention != "eager"
-        spec = spec_from_hf_config(path, seq=args.seq, micro_batch=args.micro_batch, flash=flash)
-        if args.layers is not None:
-            spec = dataclasses.replace(spec, layers=args.layers)
-        if flash:
-            spec = dataclasses.replace(spec, attention_kernel=FLASH_KERNELS[args.attention])
-        if getattr(args, "fused_loss", False):
-            spec = dataclasses.replace(spec, fused_loss=True)
+        spec = dataclasses.replace(spec_from_hf_config(path, seq=args.seq, micro_batch=args.micro_batch, flash=flash),
+                                   **overrides)  # --layers, --attention's kernel, --fused-loss, as for presets
         out.append(Workload(spec.name, spec, False, False))
     return out
 
