@@ -23,7 +23,8 @@ Five parts, each printed as it finishes (a part that fails prints its error and 
 
 What "alloc peak" includes: every allocation made during the step (activations, gradients,
 workspaces, prefetched copies) above what was allocated before it (weights, optimizer state).
-"saved peak" is SlackSwap's own accounting (DESIGN.md's budget): saved activations only.
+"saved peak" is SlackSwap's own accounting (what a budget bounds, runtime/residency.py): saved
+activations only.
 """
 
 from __future__ import annotations

@@ -40,12 +40,13 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 
 from benchmarks._common import (PlannerTimeout, Timer, call_with_timeout, fmt_s, gb, out_dir, parse_names, progress,
                                 table, write_json)
+from slackswap_ds.budget import resolve_budget
 from slackswap_ds.errors import BudgetInfeasibleError
 from slackswap_ds.hardware import Node, load_node
 from slackswap_ds.plan import lower
-from slackswap_ds.planners import PLANNERS, PRIVATE, Share, keep_all_result
-from slackswap_ds.budget import resolve_budget
+from slackswap_ds.planners import PLANNERS, keep_all_result
 from slackswap_ds.planners.optimal import solve_optimal
+from slackswap_ds.shares import PRIVATE, Share
 from slackswap_ds.simulator import SimEvent, SimResult, simulate, simulate_node
 from slackswap_ds.workloads import workload
 

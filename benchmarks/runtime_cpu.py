@@ -21,7 +21,8 @@ import torch
 
 import slackswap_ds as ss
 from slackswap_ds.plan import Decision, Plan
-from slackswap_ds.planners.common import PRIVATE, alap_triggers, keep_all
+from slackswap_ds.planners.common import alap_triggers, keep_all
+from slackswap_ds.shares import PRIVATE
 
 
 def main(argv=None) -> int:

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from slackswap_ds.hardware import load_node  # noqa: E402
 from slackswap_ds.pipeline import Job, ideal_step_s, simulate_job  # noqa: E402
 from slackswap_ds.plan import Decision  # noqa: E402
-from slackswap_ds.planners import Share  # noqa: E402
+from slackswap_ds.shares import Share  # noqa: E402
 from slackswap_ds.workloads import PRESETS  # noqa: E402
 
 BUDGET = 0.5

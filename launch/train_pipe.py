@@ -207,7 +207,7 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"batch {step:3d}  loss {losses[-1]:.6f}  {dt * 1e3:8.1f} ms", flush=True)
     torch.distributed.barrier()  # the batch lines first, then one line per stage
-    if runtime is not None and runtime.active_plan is not None and rank == runtime.members[0]:
+    if runtime is not None and runtime.active_plan is not None and runtime.coordinator.leads_group():
         sys.stdout.write(f"stage {engine.stage_id}: saved activations {runtime.last_stats.peak_device_bytes / 2**10:.1f} KiB at "
                          f"the peak of the last batch ({runtime.holds} micro-batch(es) in flight) / budget "
                          f"{runtime.active_plan.budget_bytes / 2**10:.1f} KiB\n")  # one write: lines never interleave

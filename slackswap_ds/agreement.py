@@ -32,7 +32,7 @@ from typing import Callable, Protocol, Sequence
 
 from .errors import PlanError, SlackSwapError
 from .plan import Plan
-from .profile import StepProfile
+from .step_profile import StepProfile
 
 _FITS, _OTHER_STEP, _PLAN_UNFIT, _UNREADABLE = 1, 2, 3, 4  # a rank's report on the plan it received
 # poll every 1 ms at first, backing off to 50 ms: agreement is once per shape, and with thousands of

@@ -1,7 +1,7 @@
 """The plain-PyTorch API: run a model's steps under a plan, with no DeepSpeed in sight.
 
 ``with ss.apply(model, plan, profile) as stats:`` runs every step inside under `plan` (see
-runtime/executor.py). `plan` is a `Plan` (what ``ss.plan`` returns) or a planner's `Planned`,
+runtime/executor.py: `executor_for`). `plan` is a `Plan` (what ``ss.plan`` returns) or a planner's `Planned`,
 whose Schedule is used as it is (a plan is lowered once).
 
 Re-planning after a demotion is policy, decided here rather than in the runtime: by default
@@ -11,20 +11,17 @@ again on its hardware within the same budget.
 
 from __future__ import annotations
 
-import logging
-
 from torch import nn
 
 from .hardware import preset_by_digest
+from .logs import log
 from .plan import Plan
-from .planners import PLANNERS, PRIVATE
-from .planners.common import Planned
-from .profile import StepProfile
-from .runtime.executor import Executor
-from .runtime.executor import apply as run_under
+from .planners import PLANNERS, Planned
+from .runtime.executor import Executor, executor_for
 from .runtime.verify import swap_instead
+from .shares import PRIVATE
+from .step_profile import StepProfile
 
-log = logging.getLogger("slackswap_ds")
 
 __all__ = ["apply", "replan_without"]
 
@@ -33,7 +30,7 @@ def apply(model: nn.Module, plan: Plan | Planned, profile: StepProfile, **kw) ->
     """Context manager: every step run inside follows `plan`, made for `profile` of this model.
     ``with apply(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
 
-    Keywords as runtime.executor.apply: `pool` (HostPool), `record` (measured timelines),
+    Keywords as runtime.executor.executor_for: `pool` (HostPool), `record` (measured timelines),
     `verify` (check recomputes on the first step, default True), `replan` (how to re-plan after a
     demotion; default `replan_without`), `takeover`, `device` (default: the Device of the model's
     parameters)."""
@@ -41,7 +38,7 @@ def apply(model: nn.Module, plan: Plan | Planned, profile: StepProfile, **kw) ->
         kw.setdefault("schedule", plan.schedule)
         plan = plan.plan
     kw.setdefault("replan", replan_without)
-    return run_under(model, plan, profile, **kw)
+    return executor_for(model, plan, profile, **kw)
 
 
 def replan_without(profile: StepProfile, plan: Plan, failures: dict[str, str]) -> tuple[StepProfile, Plan]:

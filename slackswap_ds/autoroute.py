@@ -27,7 +27,10 @@ import threading
 
 SECTION = "slackswap"
 ENV = "SLACKSWAP_AUTOROUTE"
-MARK = "__slackswap_autoroute__"  # set on the guard (deepspeed_api.GUARD: it unwraps the guard, `__wrapped__`)
+# the attributes that mark the guard and SlackSwap's own initialize (deepspeed_api.py has them too: this
+# file imports nothing of the package at start-up; tests/test_autoroute.py holds the copies equal)
+GUARD_MARK = "__slackswap_autoroute__"
+INITIALIZE_MARK = "__slackswap_initialize__"
 _OFF = ("0", "false", "off", "no")
 _LOCK = threading.Lock()
 _warned = False
@@ -93,7 +96,7 @@ class _BindAfter:  # a loader
 def _bind(deepspeed) -> None:
     with _LOCK:
         current = getattr(deepspeed, "initialize", None)
-        if current is None or getattr(current, MARK, False) or getattr(current, "__slackswap_initialize__", False):
+        if current is None or getattr(current, GUARD_MARK, False) or getattr(current, INITIALIZE_MARK, False):
             return  # guarded already, or SlackSwap's is bound (ss.install() before the import)
         deepspeed.initialize = _guard(current)
 
@@ -116,7 +119,7 @@ def _guard(original):
         _say_routed()  # (after: SlackSwap's logging is set up by then)
         return out
 
-    setattr(initialize, MARK, True)
+    setattr(initialize, GUARD_MARK, True)
     return initialize
 
 

@@ -1,6 +1,6 @@
 """Activation budgets and byte sizes: the one place they are read and turned into bytes.
 
-A budget bounds the device bytes of saved activations at any instant (DESIGN.md's contract). It is
+A budget bounds the device bytes of saved activations at any instant (runtime/residency.py). It is
 written the same way in the DeepSpeed config, on the command line and in the Python API:
 
 - a number in (0, 1] is a fraction of the keep-all peak of saved activations (``0.5``; the integer
@@ -195,10 +195,17 @@ def resolve_budget(budget: float | int | str | Budget, profile) -> int:
     return budget_bytes(budget, profile.total_bytes)
 
 
+# ---- bytes per parameter (the one place: the runtime, the planners and the whole-job simulator read them)
 # Model state per parameter, mixed-precision training with Adam (Rajbhandari et al. 2020, "ZeRO",
 # section 3.1: 2 + 2 + K bytes, K = 12): 16-bit weights, 16-bit gradients, and the optimizer's fp32
 # master weights, momentum and variance.
 WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+PINNED_OPTIMIZER_BYTES_PER_PARAM = 16  # ZeRO-Offload keeps fp32 master, m, v and gradient in pinned host memory
+ADAM_BYTES_PER_PARAM = 30  # fused Adam reads fp32 master, grad, m, v (16 B), writes master, m, v (12 B) + 16-bit copy (2 B)
+CPU_ADAM_BYTES_PER_PARAM = 28  # the same on the host, without the 16-bit copy
+GRAD_BYTES = 2  # gradients reduced and offloaded in 16 bits (DeepSpeed's communication_data_type for bf16/fp16)
+GATHER_BYTES_PER_PARAM = 2  # 16-bit parameters gathered (bf16/fp16 training)
+MASTER_BYTES = 4  # the fp32 shard each rank keeps and casts to 16 bits before it is gathered
 
 
 def model_state_bytes(params: int, zero: int = 0, dp: int = 1) -> int:
@@ -214,5 +221,7 @@ def model_state_bytes(params: int, zero: int = 0, dp: int = 1) -> int:
     return sum(-(-params * b // n) for b, n in zip((WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES), shard))
 
 
-__all__ = ["AUTO", "AUTO_MARGIN", "Budget", "auto_budget_bytes", "budget_bytes", "model_state_bytes",
-           "parse_budget_value", "parse_optional_size", "parse_size", "resolve_budget"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "AUTO", "AUTO_MARGIN", "CPU_ADAM_BYTES_PER_PARAM", "GATHER_BYTES_PER_PARAM",
+           "GRAD_BYTES", "MASTER_BYTES", "PINNED_OPTIMIZER_BYTES_PER_PARAM", "Budget", "auto_budget_bytes",
+           "budget_bytes", "model_state_bytes", "parse_budget_value", "parse_optional_size", "parse_size",
+           "resolve_budget"]

@@ -9,14 +9,21 @@ warm-up, so every rank is there):
                    its own sizes its host pool (`exchange_facts`). The shares hold for the job.
     2. plan        where the ranks that run one plan are on the same input shapes, the first of
                    them plans with the tightest Share of theirs, so that the one plan fits every
-                   replica (plans.py); ranks of equal shapes but another profile structure run
+                   replica (plan_maker.py); ranks of equal shapes but another profile structure run
                    another model (named: AgreementError). Where their shapes differ (a padding
                    collator's own lengths per rank), each rank plans its own with its own share.
     3. agreement   the one plan: its profile and plan as canonical JSON (no pickle); every rank
                    checks that the profile's structure (names and bytes, not times) equals its own
                    and that the plan fits; the verdict names the ranks at fault (agreement.py)
 
-Later input shapes are planned by each rank alone (plans.plan_locally): a rank on a new length
+The ranks that agree on the job's first plan are the coordinator's *group*: every rank of a
+data-parallel job, or the ranks of one pipeline stage (`stage`, `members`: its replicas and tensor-
+parallel shards run the same layers; other stages run others). A stage's group agrees over a channel
+of its own, and then every rank of the job tells every rank its stage and plan digest
+(`stage_round`), so a rank of any stage that died or is stuck is named by every rank, and replicas
+meant to hold one plan but holding another are named too.
+
+Later input shapes are planned by each rank alone (plan_maker.plan_locally): a rank on a new length
 never waits for another. Their profiles' structures are compared lazily (`compare_structure`):
 each rank publishes its own per shape, and the later of two ranks that differ logs it.
 
@@ -36,14 +43,17 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .agreement import AgreementError, Channel, GaveUp, Solo, exchange, give_up
+import contextlib
+import json
+
+from .agreement import MARGIN_S, AgreementError, Channel, GaveUp, Solo, exchange, give_up
 from .config import SlackSwapConfig
-from .dist import RankFacts, shares_of, tightest
 from .hardware import Hardware
 from .logs import EVERY_RANK, log
 from .machine import MPI_LAUNCH_VARS, gpu_index, has_mpi4py, host_uplinks, mpi_launched
-from .planners.common import Share
-from .profile import StepProfile
+from .node_facts import RankFacts, shares_of
+from .shares import Share, tightest
+from .step_profile import StepProfile
 
 LINGER_S = 1.0  # how long a rank that gives up stays, so that the others can say why before it exits
 # engines made in this process so far: every rank makes its engines in the same order, so the n-th
@@ -64,15 +74,19 @@ class Shares:
 
 class Coordinator:
     """The agreement side of one rank of a job (see the module docstring). Made as DeepSpeed starts,
-    while every rank is alive: MPI's node grouping is a collective."""
+    while every rank is alive: MPI's node grouping, and a stage's communicator, are collectives.
+    `stage`, `members`: this rank's pipeline stage and the job ranks in it (None: a data-parallel
+    engine, whose group is the whole job)."""
 
-    def __init__(self, cfg: SlackSwapConfig, hw: Hardware):
+    def __init__(self, cfg: SlackSwapConfig, hw: Hardware, stage: int | None = None,
+                 members: list[int] | None = None):
         self.cfg, self.hw = cfg, hw
+        self.stage, self.members = stage, members
         self.topology, self.uplink_bps = host_uplinks(cfg.node, hw)
         self.sync = _transport(cfg.sync)
         self.mpi_node: int | None = None  # this rank's node by MPI shared memory (MPI launches only)
         if self.sync == "mpi" and not cfg.ranks_per_node:
-            from .dist import node_layout
+            from .node_facts import node_layout
 
             self.mpi_node = node_layout()[0].node
         self.channel: Channel | None = None  # the job's channel, made on first use
@@ -80,6 +94,9 @@ class Coordinator:
         self.ledger = None  # channels.StructureLedger, made on first use (compare_structure)
         self.engine_index = next(_ENGINES)  # its keys in the store are this engine's (see _ENGINES)
         self.program = 0  # how often the model's compilation changed (new_program): its own ledger keys
+        self.group: Channel | None = None  # a stage's agreement channel, made on first use
+        self.stage_communicator = self.split(stage) if stage is not None else None  # (MPI: a collective, now)
+        self.stage_plans: dict[int, str] = {}  # stage -> its plan digest, every stage's (stage_round)
         log.debug("slackswap: plans agreed over %s; host uplinks from %s", self.via, self.topology.source)
 
     @property
@@ -125,6 +142,63 @@ class Coordinator:
         rank = self.job_channel().rank
         return StoreChannel(rank=members.index(rank), world=len(members), prefix=f"slackswap/{name}", members=members)
 
+    # ---- the group that agrees on the job's first plan ------------------------------------------------
+    def agreement_group(self) -> tuple[Channel, list[int] | None]:
+        """The channel of the ranks that agree on the job's first plan, and their job ranks (None:
+        every rank of the job)."""
+        if self.stage is None:
+            return self.job_channel(), None
+        if self.group is None:
+            self.group = self.group_channel(self.members, f"stage{self.stage}", self.stage_communicator)
+        return self.group, self.members
+
+    def group_size(self) -> int:
+        return self.agreement_group()[0].world
+
+    def leads_group(self) -> bool:
+        """This rank is the first of its group (rank 0 of the job; a stage's first rank): it says
+        what the group has alike."""
+        rank = self.job_channel().rank
+        return rank == (0 if self.stage is None else self.members[0])
+
+    @contextlib.contextmanager
+    def agreeing(self):
+        """Around a group's agreement: a stage's failure is shouted to the whole job as well, so that
+        the other stages hear it now rather than at their deadline."""
+        try:
+            yield
+        except AgreementError as e:
+            if self.stage is not None:
+                give_up(self.job_channel(), str(e))
+            raise
+
+    def stage_round(self, digest: str, shared: bool) -> None:
+        """After a stage agreed (`digest`, `shared`: its replicas hold one plan): every rank's stage
+        and plan digest on every rank (the job-wide round names any rank of any stage that did not
+        get here in time); replicas of one stage that agreed one plan must hold it. Nothing for a
+        data-parallel engine (its group is the job)."""
+        if self.stage is None:
+            return
+        channel, timeout = self.job_channel(), self.cfg.sync_timeout_s
+        # a stage still agreeing may take its own sync_timeout_s first (its first rank then names
+        # the culprit and shouts): the job-wide round waits that out before naming anyone
+        texts = exchange(channel, "stageplans", json.dumps([self.stage, digest, shared]), timeout,
+                         "stage and plan digest", grace_s=timeout + MARGIN_S)
+        by_stage: dict[int, dict[str, list[int]]] = {}
+        for rank, text in enumerate(texts):
+            stage, theirs, one_plan = json.loads(text)
+            if one_plan:  # replicas that agreed one plan must hold it (a rank's own plan is its own)
+                by_stage.setdefault(stage, {}).setdefault(theirs, []).append(rank)
+        split = {s: d for s, d in by_stage.items() if len(d) > 1}
+        if split:
+            raise AgreementError(f"rank {channel.rank}: ranks of one stage hold different plans: " + "; ".join(
+                f"stage {s}: " + ", ".join(f"ranks {r} plan {d[:12]}" for d, r in sorted(ds.items()))
+                for s, ds in sorted(split.items())))
+        self.stage_plans = {s: next(iter(ds)) for s, ds in by_stage.items()}
+        if channel.rank == 0:
+            log.info("slackswap: per-stage plans agreed by %d ranks: %s", channel.world,
+                     "; ".join(f"stage {s} {d[:12]}" for s, d in sorted(self.stage_plans.items())))
+
     def compare_structure(self, shapes: str, structure: str) -> None:
         """Publish this rank's profile structure for input shapes `shapes` and log the ranks that
         published another one for them (channels.StructureLedger: lazily, never waiting)."""
@@ -135,7 +209,9 @@ class Coordinator:
         if self.ledger is None:
             from .channels import StructureLedger
 
-            self.ledger = StructureLedger(prefix=f"slackswap/structure/{self.engine_index}.{self.program}")
+            # (a pipeline's stages run other layers on the same shapes: each compares with its own)
+            where = "" if self.stage is None else f".stage{self.stage}"
+            self.ledger = StructureLedger(prefix=f"slackswap/structure/{self.engine_index}.{self.program}{where}")
         differ = self.ledger.publish(shapes, structure)
         if differ:
             log.warning("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than "

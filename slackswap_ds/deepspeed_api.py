@@ -1,5 +1,9 @@
-"""DeepSpeed as SlackSwap touches it: every use of DeepSpeed beyond calling `deepspeed.initialize`,
-private API included, is here, so that a DeepSpeed upgrade has one place to look.
+"""DeepSpeed as SlackSwap's integration touches it: every use of a DeepSpeed engine's API, private
+included, is here, so that a DeepSpeed upgrade has one place to look for the engine. Three other
+places touch DeepSpeed on purpose, each for a concept of its own: `checkpointing.py` (the drop-in
+`deepspeed.checkpointing` and its PipelineModule binding), `runtime/device.py` (the accelerator and
+DeepSpeed's pinned-memory switch, for copies) and `runtime/takeover.py` (checkpoint calls inside the
+model, DeepSpeed's among them, run inline under a plan).
 
 * DeepSpeed's own `initialize`, kept while SlackSwap's is bound in its place (`route_initialize`,
   `original_initialize`), and called without the ``"slackswap"`` section (`initialize_without_section`).
@@ -22,8 +26,10 @@ import sys
 import threading
 from typing import Any, Callable, Iterator
 
-MARK = "__slackswap_initialize__"  # set on slackswap_ds.engine.initialize
-GUARD = "__slackswap_autoroute__"  # set on autoroute.py's guard around DeepSpeed's own initialize
+from .budget import PINNED_OPTIMIZER_BYTES_PER_PARAM
+
+INITIALIZE_MARK = "__slackswap_initialize__"  # set on slackswap_ds.engine.initialize
+GUARD_MARK = "__slackswap_autoroute__"  # set on autoroute.py's guard around DeepSpeed's own initialize
 
 _LOCK = threading.RLock()
 _ORIGINAL: Callable | None = None  # DeepSpeed's own initialize while SlackSwap's is routed in
@@ -33,7 +39,7 @@ _SEEN: Callable | None = None  # DeepSpeed's own initialize, as last seen unpatc
 
 def _own(function: Callable | None) -> Callable | None:
     """DeepSpeed's own initialize behind autoroute.py's guard, if `function` is that guard."""
-    return getattr(function, "__wrapped__", None) if getattr(function, GUARD, False) else function
+    return getattr(function, "__wrapped__", None) if getattr(function, GUARD_MARK, False) else function
 
 
 # ---- deepspeed.initialize ------------------------------------------------------------------------
@@ -49,7 +55,7 @@ def remember_original() -> None:
     except Exception:  # noqa: BLE001 - not installed, or broken: its own import says why when it is used
         return
     current = _own(getattr(module, "initialize", None))
-    if current is not None and not getattr(current, MARK, False):
+    if current is not None and not getattr(current, INITIALIZE_MARK, False):
         _SEEN = current
 
 
@@ -79,7 +85,7 @@ def route_initialize(replacement: Callable) -> bool:
         if _ORIGINAL is not None:
             return False
         _ORIGINAL = original_initialize()
-        _BEFORE = deepspeed.initialize if getattr(deepspeed.initialize, GUARD, False) else _ORIGINAL
+        _BEFORE = deepspeed.initialize if getattr(deepspeed.initialize, GUARD_MARK, False) else _ORIGINAL
         deepspeed.initialize = replacement
         return True
 
@@ -239,8 +245,6 @@ def zero_offload_pinned_bytes(engine) -> int | None:
     offloads = getattr(engine, "zero_cpu_offload", None)
     if offloads is None or not offloads():
         return None
-    from .pipeline import PINNED_OPTIMIZER_BYTES_PER_PARAM
-
     params = sum(p.numel() for p in engine.module.parameters() if p.requires_grad)
     return params // max(1, int(getattr(engine, "dp_world_size", 1))) * PINNED_OPTIMIZER_BYTES_PER_PARAM
 
@@ -274,10 +278,9 @@ def compiled_autograd_enabled(engine) -> bool:
     return bool(getattr(engine, "_is_compiled_autograd_enabled", False))
 
 
-__all__ = ["MARK", "checkpointing_set_aside", "compiled_autograd_enabled", "config_file_of", "config_given",
-           "deepcompile_active", "hook_forward_backward",
-           "hook_pipeline",
-           "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
-           "micro_batch_inputs", "offloads_parameters", "original_initialize", "partitions_parameters",
-           "remember_original", "zero_sharding",
-           "route_initialize", "stage_of", "stage_ranks", "unroute_initialize", "zero_offload_pinned_bytes"]
+__all__ = ["GUARD_MARK", "INITIALIZE_MARK", "checkpointing_set_aside", "compiled_autograd_enabled", "config_file_of",
+           "config_given", "deepcompile_active", "hook_forward_backward", "hook_pipeline", "initialize_is_routed",
+           "initialize_without_section", "is_pipeline_engine", "is_train_schedule", "micro_batch_inputs",
+           "offloads_parameters", "original_initialize", "partitions_parameters", "remember_original",
+           "route_initialize", "stage_of", "stage_ranks", "unroute_initialize", "zero_offload_pinned_bytes",
+           "zero_sharding"]

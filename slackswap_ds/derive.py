@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from .profile import StepProfile
+from .step_profile import StepProfile
 
 Shapes = Sequence[Sequence[int]]
 

@@ -3,16 +3,15 @@ share a host uplink, this rank's GPU, and whether an MPI launcher started the jo
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from .hardware import Hardware, load_hardware, load_node
+from .logs import log
 from .runtime.device import device_of
 from .topology import Topology
 
-log = logging.getLogger("slackswap_ds")
 
 MPI_LAUNCH_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # set by MPICH/Hydra, Open MPI, PMIx
 

@@ -41,22 +41,20 @@ import functools
 from dataclasses import dataclass, field
 
 from . import sharded
-from .budget import budget_bytes
+from .budget import (ADAM_BYTES_PER_PARAM, CPU_ADAM_BYTES_PER_PARAM, GRAD_BYTES, PINNED_OPTIMIZER_BYTES_PER_PARAM,
+                     budget_bytes)
 from .deepspeed_pipe import simulate_deepspeed_pipeline
-# (one_f_one_b, simulate_pipeline and stage_peaks are imported from here too)
-from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401
 from .errors import ProfileError, SlackSwapError
 from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule
-from .planners import PRIVATE, Share, get_planner
-from .profile import StepProfile
+from .planners import get_planner
+# (one_f_one_b, simulate_pipeline and stage_peaks are imported from here too)
+from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401
+from .shares import PRIVATE, Share
 from .simulator import SimResult, simulate
+from .step_profile import StepProfile
 from .workloads import ModelSpec, Parallel, region_params, transformer_profile
 
-ADAM_BYTES_PER_PARAM = 30  # fused Adam reads fp32 master, grad, m, v (16 B), writes master, m, v (12 B) + 16-bit copy (2 B)
-CPU_ADAM_BYTES_PER_PARAM = 28  # the same on the host, without the 16-bit copy
-GRAD_BYTES = 2  # gradients reduced and offloaded in 16 bits (DeepSpeed's communication_data_type for bf16/fp16)
-PINNED_OPTIMIZER_BYTES_PER_PARAM = 16  # ZeRO-Offload keeps fp32 master, m, v and gradient in pinned host memory
 SCHEDULES = ("1f1b", "deepspeed")  # Megatron's 1F1B; DeepSpeed's PipelineEngine TrainSchedule
 MAX_JOB_DIM = 4096  # pp, dp and micro-batches a job may have here (published runs use at most a few hundred)
 

@@ -35,7 +35,7 @@ from typing import Mapping
 
 from .errors import InvalidFileError, PlanError
 from .files import read_json
-from .profile import Activation, StepProfile
+from .step_profile import Activation, StepProfile
 
 PLAN_FORMAT = "slackswap.plan/1"
 END_OF_FORWARD = ""  # prefetch trigger meaning "as soon as backward starts"

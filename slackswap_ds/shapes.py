@@ -4,27 +4,27 @@ A step's shape key is the shape and dtype of every tensor it takes (its forward'
 pipeline micro-batch's inputs and labels). Each shape gets its own profile, plan and executor
 (`ShapeState`); at most `max_shapes` are kept, the least recently used dropped first (`ShapeCache`),
 and `ShapeCache.runner_for` says how a step of a shape runs: under its plan, profiled, or in the
-shelter. The cache also keeps the last few measured profiles (`base_for`): a new shape's plan may
-be derived from one of them instead of profiled (derive.py).
+shelter (`Run`; what then happened in the step is a list of `Transition`s, lifecycle.py). The cache
+also keeps the last few measured profiles (`base_for`): a new shape's plan may be derived from one
+of them instead of profiled (derive.py).
 """
 
 from __future__ import annotations
 
 import collections
 import enum
-import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from .derive import Deriver
+from .logs import log
 from .plan import Plan
-from .profile import StepProfile
 from .runtime.executor import Executor
 from .runtime.host_pool import HostPool
+from .step_profile import StepProfile
 
-log = logging.getLogger("slackswap_ds")
 
 ShapeKey = tuple[tuple[tuple[int, ...], str], ...]  # ((shape, dtype), ...) of a step's tensors
 
@@ -81,6 +81,30 @@ class Run(enum.Enum):
     PLANNED = "planned"  # under its shape's executor
     PROFILE = "profile"  # profiled (a shape without a plan yet)
     SHELTER = "shelter"  # every saved tensor to host, within any budget (warm-up; a shape without a plan)
+
+
+class Transition(enum.Enum):
+    """What happened in a step, in the order it happened (lifecycle.py's module docstring)."""
+
+    WARM_UP = "a warm-up step in the shelter"
+    WARMED_UP = "the last warm-up step ended"
+    PROFILE = "a profiled step"
+    DERIVED = "a plan derived for new shapes"
+    PLANNED = "a step under its shapes' plan"
+    SHELTER = "a step of shapes without a plan, in the shelter"
+    AGREED = "the job's first plan, agreed"
+    PLANNED_ALONE = "a plan of this rank's own"
+    NO_PLAN = "no plan within the budget: the shapes run in the shelter"
+    HELD = "a derived plan held on its first step"
+    REFITTED = "a derived plan's dims fitted to its first step, derived again"
+    UNDERIVABLE = "a derived plan did not fit its step: profiled next"
+    REPLANNED = "running the plan its verification re-planned"
+    ABANDONED = "a forward without backward ended its step"
+    TWO_FORWARDS = "a second forward joined a profiled step"
+    UNFINISHED = "micro-batches without backward closed at the step's end"
+    COMPILED_ANEW = "the model's compilation changed: plans dropped"
+    REPLAY_FAILED = "a replay failed in backward"
+    GAVE_UP = "the job's first plan failed: the job stops"
 
 
 class ShapeCache:
@@ -170,5 +194,5 @@ class ShapeCache:
                      self.max_shapes, dropped, f"{freed:,}")
 
 
-__all__ = ["Prediction", "Run", "ShapeCache", "ShapeKey", "ShapeState", "describe", "model_dims", "shape_key",
-           "shapes_of"]
+__all__ = ["Prediction", "Run", "ShapeCache", "ShapeKey", "ShapeState", "Transition", "describe", "model_dims",
+           "shape_key", "shapes_of"]

@@ -22,8 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-GATHER_BYTES_PER_PARAM = 2  # 16-bit parameters gathered (bf16/fp16 training)
-MASTER_BYTES = 4  # the fp32 shard each rank keeps and casts to 16 bits before it is gathered
+from .budget import GATHER_BYTES_PER_PARAM, MASTER_BYTES
 
 # Whose code shards the parameters. Their own memory-bound work around the collectives differs:
 SHARDINGS = {

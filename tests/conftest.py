@@ -9,12 +9,37 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import pytest  # noqa: E402
 
 from slackswap_ds.hardware import Hardware, load_hardware  # noqa: E402
-from slackswap_ds.profile import Activation, Op, StepProfile  # noqa: E402
+from slackswap_ds.step_profile import Activation, Op, StepProfile  # noqa: E402
 
 from jobs import free_loopback_port  # noqa: E402
 
 
 _SESSION_BEGAN = time.time()
+WORKERS = 2  # pytest-xdist workers, where it is installed and the command line chose none
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Two workers grouped by `--dist loadgroup` where pytest-xdist is installed, unless the command
+    line says how to distribute (`-n`, `--dist`) or not at all (`-p no:xdist`); plain `python -m
+    pytest` also works without the plugin (one process). (Runs before xdist's own hook reads them.)"""
+    option = config.option
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return
+    if option.numprocesses is None and option.dist == "no" and not option.collectonly and not option.usepdb:
+        option.numprocesses, option.dist = WORKERS, "loadgroup"
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+    """A worker parses the command line it was given, which does not say loadgroup when this file
+    chose it: it is told here (xdist names a test by its group only under loadgroup)."""
+    node.workerinput["slackswap_loadgroup"] = node.config.option.dist == "loadgroup"
+
+
+def pytest_configure(config):
+    if getattr(config, "workerinput", {}).get("slackswap_loadgroup"):
+        config.option.loadgroup = True
 
 
 def pytest_sessionstart(session):

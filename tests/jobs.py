@@ -28,6 +28,11 @@ MPIEXEC = shutil.which("mpiexec")
 # the two ways ranks agree: torch.distributed's store (the ranks started here, as torchrun would)
 # and MPI (mpiexec); MPI's cases are skipped where mpiexec is not installed
 TRANSPORTS = ["torch", pytest.param("mpi", marks=pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"))]
+# the same, MPI's case marked slow (suite time): the logic is the transport-free protocol's, checked on
+# torch's store; the MPI transport keeps its own cases in the suite (test_node_facts.py, and the faults
+# that TRANSPORTS still parametrize)
+TRANSPORTS_MPI_SLOW = ["torch", pytest.param("mpi", marks=[pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec"),
+                                                          pytest.mark.slow])]
 
 # The suite runs on two pytest-xdist workers (setup.cfg). Jobs whose ranks must answer within a
 # deadline (sync_timeout_s) run one at a time, on one worker: their ranks then compete with one

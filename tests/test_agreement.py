@@ -73,7 +73,7 @@ def test_a_plan_that_arrives_unreadable_is_named_not_a_crash():
 
 
 def test_the_engine_coordinates_nodes_over_the_store():
-    from slackswap_ds.planners.common import water_fill
+    from slackswap_ds.shares import water_fill
 
     node = load_node("dgx-a100")
     rows = run_ranks("coordinate")

@@ -8,9 +8,10 @@ import torch
 import slackswap_ds as ss
 from slackswap_ds import api
 from slackswap_ds.hardware import load_hardware
-from slackswap_ds.planners import PRIVATE, get_planner
-from slackswap_ds.runtime.executor import apply as run_under
+from slackswap_ds.planners import get_planner
+from slackswap_ds.runtime.executor import executor_for
 from slackswap_ds.runtime.verify import swap_instead
+from slackswap_ds.shares import PRIVATE
 
 from runtime.exactness import assert_exact, run  # (tests/runtime/exactness.py: one step's loss and gradients)
 
@@ -61,7 +62,7 @@ def test_the_default_re_plan_is_the_planners_and_the_runtimes_own_swaps_instead(
     profile = ss.profile_step(model, step, ids, warmup=0)
     plan = ss.plan(profile, "a100-80g-pcie4", 0.5)
     assert ss.apply(model, plan, profile).replan is api.replan_without
-    assert run_under(model, plan, profile).replan is swap_instead
+    assert executor_for(model, plan, profile).replan is swap_instead
 
 
 def test_re_planning_without_the_failed_keys_keeps_them_from_being_recomputed():

@@ -65,7 +65,7 @@ def test_without_a_section_the_guard_is_deepspeeds_own_and_opted_out_it_says_so(
         return "deepspeed's"
 
     guard = autoroute._guard(own)
-    assert guard.__wrapped__ is own and getattr(guard, autoroute.MARK)
+    assert guard.__wrapped__ is own and getattr(guard, autoroute.GUARD_MARK)
     assert guard(config={"train_micro_batch_size_per_gpu": 1}) == "deepspeed's"
     assert capsys.readouterr().err == ""
     monkeypatch.setenv(autoroute.ENV, "0")
@@ -86,7 +86,7 @@ def test_binding_is_idempotent_and_routing_puts_the_guard_back():
     bound = deepspeed.initialize
     autoroute.install_hook()  # deepspeed is imported: binds now, or finds it bound
     guard = deepspeed.initialize
-    assert getattr(guard, autoroute.MARK) and (guard is bound or bound is guard.__wrapped__)
+    assert getattr(guard, autoroute.GUARD_MARK) and (guard is bound or bound is guard.__wrapped__)
     autoroute.install_hook()
     assert deepspeed.initialize is guard
     try:
@@ -95,3 +95,10 @@ def test_binding_is_idempotent_and_routing_puts_the_guard_back():
     finally:
         ss.uninstall()
     assert deepspeed.initialize is guard
+
+
+def test_the_marks_autoroute_writes_are_the_ones_deepspeed_api_reads():
+    """autoroute.py imports nothing of the package at start-up, so it writes the two marks itself."""
+    from slackswap_ds import deepspeed_api
+
+    assert (autoroute.GUARD_MARK, autoroute.INITIALIZE_MARK) == (deepspeed_api.GUARD_MARK, deepspeed_api.INITIALIZE_MARK)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from slackswap_ds.planners import PRIVATE, Share
+from slackswap_ds.shares import PRIVATE, Share
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -111,7 +111,7 @@ def test_node_dgx_bound_comes_back_from_the_forked_planner_call():
     # the planner runs in a forked child (--planner-timeout): the bound must come back with the plan.
     # A small profile keeps the MILP fast.
     from benchmarks._common import call_with_timeout
-    from slackswap_ds.planners import PRIVATE
+    from slackswap_ds.shares import PRIVATE
     from slackswap_ds.budget import resolve_budget
     from slackswap_ds.workloads import workload
 

@@ -13,7 +13,7 @@ from slackswap_ds.cli import main, parse_budget
 from slackswap_ds.hardware import load_hardware, load_node, preset_names
 from slackswap_ds.plan import Decision, Plan
 from slackswap_ds.planners import PLANNERS, get_planner
-from slackswap_ds.report import MEMORY_COUNTER, short_source, trace_busy_us
+from slackswap_ds.sim_report import MEMORY_COUNTER, short_source, trace_busy_us
 from slackswap_ds.workloads import PRESETS, workload, workload_names
 
 SMALL = ["--workload", "bert-large", "--seq", "128", "--micro-batch", "2"]
@@ -431,8 +431,8 @@ def test_plan_from_a_jobs_plan_file_says_what_it_cannot_do(tmp_path, capsys):
     the fix (the round trip through a job: tests/test_engine.py)."""
     from conftest import two_region_profile
 
-    from slackswap_ds import planfile
-    from slackswap_ds.planfile import Entry, MadeFor
+    from slackswap_ds import plan_file
+    from slackswap_ds.plan_file import PlanEntry, MadeFor
 
     profile, hw = two_region_profile(), load_hardware("a100-80g-pcie4")
     plan = Plan.build(profile, {a.key: Decision.KEEP for a in profile.activations}, budget_bytes=profile.total_bytes,
@@ -442,25 +442,25 @@ def test_plan_from_a_jobs_plan_file_says_what_it_cannot_do(tmp_path, capsys):
                        share="d2h None h2d None pool None", world="1 ranks, 1 per node")
     job, out = tmp_path / "job.json", str(tmp_path / "out.json")
 
-    def error(argv: list[str], entries: list[Entry] | None = None) -> str:
+    def error(argv: list[str], entries: list[PlanEntry] | None = None) -> str:
         if entries is not None:
-            planfile.write(job, entries)
+            plan_file.write(job, entries)
         assert main(["plan", "--plan-file", str(job), *argv, "-o", out]) == 2
         return capsys.readouterr().err
 
     assert "no plan file" in error([])
     assert "has no plans yet" in error([], [])
-    assert "without the step's profile" in error([], [Entry(made_for, plan)])
+    assert "without the step's profile" in error([], [PlanEntry(made_for, plan)])
     other = dataclasses.replace(made_for, hardware="my-gpu 0123456789abcdef")
-    assert "give its JSON file with --hardware" in error([], [Entry(other, plan, profile)])
-    entries = [Entry(made_for, plan, profile)]
+    assert "give its JSON file with --hardware" in error([], [PlanEntry(other, plan, profile)])
+    entries = [PlanEntry(made_for, plan, profile)]
     assert "is not the hardware the job planned for" in error(["--hardware", "h100-pcie5"], entries)
     assert "leave -b out" in error(["-b", "auto"])
     assert "give no --workload" in error(["-w", "bert-large"])
     assert "give no --workload" in error(["--seq", "8"])
     # and a plan it can make: the job's budget and planner unless told otherwise
     assert main(["plan", "--plan-file", str(job), "-p", "full-recompute", "-o", out]) == 0
-    (entry,) = planfile.read(out)
+    (entry,) = plan_file.read(out)
     assert entry.made_for == dataclasses.replace(made_for, planner="full-recompute") and entry.profile == profile
     assert entry.plan.keys(Decision.RECOMPUTE) and '"planner": "full-recompute"' in capsys.readouterr().out
 

@@ -386,7 +386,7 @@ def test_one_budget_parser_for_config_command_line_and_api(written, want):
 
     from slackswap_ds.cli import parse_budget
     from slackswap_ds.budget import resolve_budget
-    from slackswap_ds.profile import Activation, Op, StepProfile
+    from slackswap_ds.step_profile import Activation, Op, StepProfile
 
     profile = StepProfile("p", [Op("a:0", 1, 1, "a")], [Activation("a:x", 1000, (0,))])
     if want is None:

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from slackswap_ds.derive import Deriver, derive, derived, input_dims
-from slackswap_ds.profile import Activation, Op, StepProfile
+from slackswap_ds.step_profile import Activation, Op, StepProfile
 
 B, S, H, HEADS = 2, 31, 64, 4
 INPUTS = [(B, S), (B, S)]  # input_ids, labels

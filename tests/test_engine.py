@@ -7,7 +7,7 @@ import re
 import pytest
 
 from slackswap_ds.config import load_config
-from slackswap_ds.engine import SlackSwapRuntime
+from slackswap_ds.engine import EngineHooks
 from slackswap_ds.errors import InvalidFileError, PlanError
 from slackswap_ds.plan import Decision
 
@@ -22,7 +22,7 @@ def base_config(stage: int) -> dict:
     return config
 
 
-ZERO_STAGES = [(0, 20), (1, 6), (2, 6), (3, 6)]  # (stage, steps)
+ZERO_STAGES = [(0, 10), (1, 6), (2, 6), (3, 6)]  # (stage, steps)
 
 
 def zero_stage_config(stage: int, enabled: bool) -> dict:
@@ -110,27 +110,31 @@ def _gpt2(hidden=64):
 
 def _steps(runtime_config: dict, seqs=(16, 16, 16), hidden=64):
     """A one-process runtime (no DeepSpeed) over a tiny GPT-2; the runtime after `seqs` steps."""
+    return _engine_steps(runtime_config, seqs, hidden)[1]
+
+
+def _engine_steps(runtime_config: dict, seqs=(16, 16, 16), hidden=64):
+    """_steps, with the engine (its forward and backward hooked) beside the runtime."""
     import torch
 
     model = _gpt2(hidden)
     engine = _EngineShim(model)
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1,
-                                                                  **runtime_config}}))
-    runtime.attach()
+    runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1,
+                                                             **runtime_config}})).attach()
     for seq in seqs:
         ids = torch.randint(1, 128, (2, seq))
         engine.backward(engine.forward(input_ids=ids, labels=ids).loss)
-    return runtime
+    return engine, runtime
 
 
 def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_else(tmp_path, caplog):
     import logging
 
-    from slackswap_ds import planfile
+    from slackswap_ds import plan_file
 
     path = tmp_path / "plans.json"  # (plans of profiled shapes: derived ones are not kept)
     first = _steps({"plan_file": str(path), "derive_shapes": False}, seqs=(16, 16, 16, 32, 32))
-    entries = planfile.read(path)
+    entries = plan_file.read(path)
     assert sorted(e.made_for.inputs for e in entries) == ["(2, 16) torch.int64; (2, 16) torch.int64",
                                                           "(2, 32) torch.int64; (2, 32) torch.int64"]
     digests = {e.made_for.inputs: e.plan.decisions for e in entries}
@@ -139,7 +143,7 @@ def test_plan_file_keeps_a_plan_per_shape_and_refuses_one_made_for_something_els
     assert sum("using the plan in plan_file" in r.getMessage() for r in caplog.records) == 2
     assert {k: s.plan.decisions for k, s in again.shapes.items()} == \
         {k: s.plan.decisions for k, s in first.shapes.items()}
-    assert {e.made_for.inputs: e.plan.decisions for e in planfile.read(path)} == digests
+    assert {e.made_for.inputs: e.plan.decisions for e in plan_file.read(path)} == digests
     # made for another budget, another hardware, another model: refused with the reason, re-planned
     for change, field in [({"activation_budget": 0.6}, "budget_bytes"), ({"hardware": "h100-pcie5"}, "hardware")]:
         caplog.clear()
@@ -172,9 +176,8 @@ def _run_lengths(lengths, config: dict | None = None, backend: str | None = None
     engine = _EngineShim(model)
     runtime = None
     if config is not None:
-        runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
-                                                                      "profile_steps": 1, **config}}))
-        runtime.attach()
+        runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                 "profile_steps": 1, **config}})).attach()
     torch.manual_seed(1)
     losses, peaks = [], []
     for step, seq in enumerate(lengths):
@@ -198,7 +201,7 @@ def test_a_jobs_plan_file_planned_again_by_slackswap_plan_is_adopted_by_the_next
 
     import torch
 
-    from slackswap_ds import planfile
+    from slackswap_ds import plan_file
     from slackswap_ds.cli import main
 
     first, second = tmp_path / "job.json", tmp_path / "offline.json"
@@ -208,7 +211,7 @@ def test_a_jobs_plan_file_planned_again_by_slackswap_plan_is_adopted_by_the_next
     printed = capsys.readouterr().out
     assert printed.count("recompute-knapsack plan for input shapes (2, ") == 2
     assert 'a job adopts these plans with "plan_file": ' in printed and '"activation_budget": 0.6' in printed
-    offline = {e.made_for.inputs: e for e in planfile.read(second)}
+    offline = {e.made_for.inputs: e for e in plan_file.read(second)}
     assert {e.made_for.planner for e in offline.values()} == {"recompute-knapsack"}
     assert all(e.made_for.budget_bytes == int(0.6 * e.profile.total_bytes) for e in offline.values())
 
@@ -295,12 +298,12 @@ def test_traces_and_plan_files_replace_a_planted_link_instead_of_writing_through
 
 
 def test_a_plan_file_that_cannot_be_written_is_used_and_never_rewritten(tmp_path, monkeypatch):
-    from slackswap_ds import planfile
+    from slackswap_ds import plan_file
 
     path = tmp_path / "plans.json"
     _steps({"plan_file": str(path)})
     before = path.read_bytes()
-    monkeypatch.setattr(planfile, "writable", lambda p: False)  # as for a read-only file (root may write any)
+    monkeypatch.setattr(plan_file, "writable", lambda p: False)  # as for a read-only file (root may write any)
     runtime = _steps({"plan_file": str(path)}, seqs=(16, 16, 16, 32))  # a new shape: planned, not saved
     assert len(runtime.shapes) == 2 and path.read_bytes() == before
 
@@ -360,7 +363,7 @@ def test_plan_file_is_written_then_reused_and_traces_are_written(zero_stages_job
 
 
 class _EngineShim:
-    """The two methods SlackSwapRuntime wraps, around a real model: forward and backward, as a
+    """The two methods EngineHooks wraps, around a real model: forward and backward, as a
     DeepSpeed engine exposes them (no distributed state, so the lifecycle runs on one process)."""
 
     def __init__(self, module):
@@ -382,9 +385,8 @@ def test_new_input_shapes_are_profiled_and_planned_on_their_own():
                                   bos_token_id=0, eos_token_id=0)
     model = transformers.GPT2LMHeadModel(cfg).train()
     engine = _EngineShim(model)
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
-                                                                  "profile_steps": 1}}))
-    runtime.attach()
+    runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                             "profile_steps": 1}})).attach()
 
     def one(seq):
         ids = torch.randint(1, 128, (2, seq))
@@ -422,9 +424,8 @@ def test_new_lengths_every_step_get_derived_plans_exact_within_budget_after_one_
         engine = _EngineShim(model)
         runtime = None
         if enabled:
-            runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
-                                                                          "profile_steps": 1}}))
-            runtime.attach()
+            runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                                     "profile_steps": 1}})).attach()
         torch.manual_seed(1)
         losses, peaks = [], []
         for seq in lengths:
@@ -462,9 +463,8 @@ def test_every_step_from_the_first_is_within_the_budget(caplog):
 
     model = _gpt2()
     engine = _EngineShim(model)
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 2,
-                                                                  "replan": "never"}}))
-    runtime.attach()
+    runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 2,
+                                                             "replan": "never"}})).attach()
     peaks, plans = [], []
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
         for seq in (16, 16, 16, 16, 16, 32, 32, 16):
@@ -494,8 +494,8 @@ def test_a_forward_without_backward_does_not_change_the_budget_or_the_next_step(
 
     model = _gpt2()
     engine = _EngineShim(model)
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1}}))
-    runtime.attach()
+    runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                             "profile_steps": 1}})).attach()
     ids = torch.randint(1, 128, (2, 16))
     peaks = []
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
@@ -530,10 +530,9 @@ def _full_recompute_job(layer: type, **config):
 
     torch.manual_seed(0)
     engine = _EngineShim(Stack())
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {
+    runtime = EngineHooks(engine, load_config({"slackswap": {
         "hardware": "a100-80g-pcie4", "profile_steps": 1, "planner": "full-recompute", "activation_budget": 0.8,
-        **config}}))
-    runtime.attach()
+        **config}})).attach()
     return engine, runtime
 
 
@@ -670,13 +669,12 @@ def test_node_topology_comes_from_the_config_else_each_rank_has_its_own_link(mon
     node = load_node("dgx-a100")
     cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4", "node": "dgx-a100",
                                      "host_pool_bytes_per_node": "64GiB"}})
-    runtime = SlackSwapRuntime(_EngineShim(torch.nn.Linear(2, 2)), cfg)
-    runtime.attach()
+    runtime = EngineHooks(_EngineShim(torch.nn.Linear(2, 2)), cfg).attach()
     assert runtime.coordinator.topology.uplink_of == (0, 0, 1, 1, 2, 2, 3, 3)
     assert runtime.coordinator.uplink_bps == node.switch_uplink_bps
     monkeypatch.setenv("LOCAL_SIZE", "2")  # no node, no CUDA to discover it with: a link per rank
-    private = SlackSwapRuntime(_EngineShim(torch.nn.Linear(2, 2)), load_config({"slackswap": {"hardware": "a100-80g-pcie4"}}))
-    private.attach()
+    private = EngineHooks(_EngineShim(torch.nn.Linear(2, 2)),
+                          load_config({"slackswap": {"hardware": "a100-80g-pcie4"}})).attach()
     topology = private.coordinator.topology
     assert topology.uplink_of == (0, 1) and topology.source.startswith("default")
 
@@ -840,13 +838,14 @@ def test_taking_over_gradient_checkpointing_says_what_it_held_and_what_the_plan_
 
     import torch
 
-    from slackswap_ds.planners import PRIVATE, get_planner
+    from slackswap_ds.planners import get_planner
+    from slackswap_ds.shares import PRIVATE
 
     model = _gpt2()
     model.gradient_checkpointing_enable()
     engine = _EngineShim(model)
-    runtime = SlackSwapRuntime(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1}}))
-    runtime.attach()
+    runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
+                                                             "profile_steps": 1}})).attach()
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
         for _ in range(3):
             ids = torch.randint(1, 128, (2, 16))
@@ -908,14 +907,14 @@ def test_a_host_pool_that_runs_out_is_warned_once_and_reported(caplog):
 
     import torch
 
-    runtime = _steps({"log_every": 2, "activation_budget": 0.5}, seqs=(16,) * 3)
+    engine, runtime = _engine_steps({"log_every": 2, "activation_budget": 0.5}, seqs=(16,) * 3)
     assert runtime.active_plan.keys(Decision.SWAP)
     runtime.plans.pool.trim()  # the job's pinned pool gives back its free memory, and
     runtime.plans.pool.budget_bytes = 0  # may take no more: every swap misses
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
         for _ in range(4):
             ids = torch.randint(1, 128, (2, 16))
-            runtime.engine.backward(runtime.engine.forward(input_ids=ids, labels=ids).loss)
+            engine.backward(engine.forward(input_ids=ids, labels=ids).loss)
     assert runtime.last_stats.fallbacks.get("host pool exhausted: kept")
     messages = [(r.levelno, r.getMessage()) for r in caplog.records]
     first = [m for level, m in messages if level == logging.WARNING and "(host pool exhausted: kept)" in m]
@@ -936,8 +935,11 @@ def test_zero_offload_makes_plans_leave_its_link_time_and_pinned_memory(single_p
 
     def train(enabled: bool):
         model = _gpt2()
+        # torch's Adam steps the offloaded fp32 partitions on the CPU: the same offload (DeepSpeed's
+        # pinned optimizer state, gradients copied to the host in backward), without JIT-building
+        # DeepSpeed's CPU Adam (three minutes on a fresh machine)
         config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**6,
-                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+                  "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
                   "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
                   "slackswap": {"enabled": enabled, "activation_budget": 0.5, "profile_steps": 1,
                                 "hardware": "a100-80g-pcie4", "host_pool_bytes_per_node": "1GiB"}}
@@ -958,12 +960,12 @@ def test_zero_offload_makes_plans_leave_its_link_time_and_pinned_memory(single_p
     assert on == off
     hw = load_hardware("a100-80g-pcie4")
     pinned = sum(p.numel() for p in model.parameters()) * 16  # fp32 master, m, v, gradient; one rank
-    assert runtime.plan_share.h2d(hw) == hw.duplex_h2d_bps  # prefetches meet the gradient copies
+    assert runtime.coordinator.shares.plan.h2d(hw) == hw.duplex_h2d_bps  # prefetches meet the gradient copies
     # the rank's pool share comes from the node's pool net of the optimizer state: a demand above
     # what is left gets exactly what is left
-    from slackswap_ds.dist import RankFacts, shares_of
+    from slackswap_ds.node_facts import RankFacts, shares_of
 
-    assert runtime.share.host_pool_bytes <= (1 << 30) - pinned
+    assert runtime.coordinator.shares.own.host_pool_bytes <= (1 << 30) - pinned
     net = shares_of([RankFacts("n", 0, 10**12)], hw, hw.d2h_bps, 1 << 30, pinned)[0]
     assert net.host_pool_bytes == (1 << 30) - pinned
     assert any("ZeRO-Offload copies gradients" in r.getMessage() for r in caplog.records)

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 
-from jobs import (DEADLINES, FAULT_MARGIN_S, FAULT_TIMEOUT_S, MPIEXEC, ROOT, TRANSPORTS, Job, assert_named,
-                  mpiexec_line, run_launch, run_ranks)
+from jobs import (DEADLINES, FAULT_MARGIN_S, FAULT_TIMEOUT_S, MPIEXEC, ROOT, TRANSPORTS, TRANSPORTS_MPI_SLOW, Job,
+                  assert_named, mpiexec_line, run_launch, run_ranks)
 
 pytest.importorskip("deepspeed")
 pytestmark = DEADLINES
@@ -26,7 +26,7 @@ def launch(transport: str, scenario: str, n: int = 4) -> Job:
     return run_ranks(transport, [str(WORKER), scenario, str(FAULT_TIMEOUT_S)], n=n)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_MPI_SLOW)
 def test_rank_0_stopped_while_it_plans(transport):
     job = launch(transport, "stop0-plan")
     why = "store did not answer .*rank 0, whose process hosts it, is stopped" if transport == "torch" else "rank 0 did not send a plan"
@@ -39,7 +39,7 @@ def test_a_rank_stopped_at_agreement(transport):
     assert_named(job, [0, 1, 2], r"ranks \[3\] did not report")
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_MPI_SLOW)
 def test_a_rank_dead_before_the_node_facts(transport):
     job = launch(transport, "kill2-facts")
     if transport == "torch":
@@ -52,7 +52,7 @@ def test_a_rank_dead_before_the_node_facts(transport):
     assert job.seconds - (max(r.entered for r in job.ranks) - job.began) <= FAULT_TIMEOUT_S + FAULT_MARGIN_S
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_MPI_SLOW)
 def test_a_rank_that_runs_another_model_on_the_same_shapes(transport):
     job = launch(transport, "forward3")
     assert_named(job, [0, 1, 2, 3], r"ranks \[3\] profiled another step than rank 0 on the same input shapes")
@@ -65,7 +65,7 @@ def assert_trained(job: Job) -> None:
     assert job.seconds < FAULT_TIMEOUT_S + 60 and not re.search(r"did not (answer|report|send)", job.output)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_MPI_SLOW)
 def test_a_rank_on_another_shape_plans_its_own(transport):
     job = launch(transport, "shape3")
     assert_trained(job)
@@ -73,7 +73,7 @@ def test_a_rank_on_another_shape_plans_its_own(transport):
     assert re.search(r"slackswap rank 3: input shapes \[\(2, 12, 32\)\]: plan \w+ planned from its profile", job.output)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_MPI_SLOW)
 def test_a_new_shape_on_some_ranks_only_is_planned_there_alone(transport):
     job = launch(transport, "newshape23")
     assert_trained(job)
@@ -82,7 +82,7 @@ def test_a_new_shape_on_some_ranks_only_is_planned_there_alone(transport):
     assert not re.search(r"slackswap rank [01]: input shapes \[\(2, 16", job.output)
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS_MPI_SLOW)
 def test_a_rank_that_runs_another_model_on_a_later_shape_is_logged_without_waiting(transport):
     """Later shapes are planned by each rank alone; their structures are compared lazily: of rank 3
     (whose profile of the new length differs) and each other rank, the later to publish logs it."""
@@ -103,6 +103,7 @@ def test_sync_mpi_without_an_mpi_launch_is_refused_at_once():
         assert not rank.first("FAULT-TEST enter")  # refused by initialize, before any step
 
 
+@pytest.mark.slow  # (suite time: the fault cases above run the same protocol, a round each)
 @pytest.mark.skipif(MPIEXEC is None, reason="no mpiexec")
 def test_50_agreement_rounds_with_random_delays_under_mpiexec():
     out = run_launch(mpiexec_line(4, sys.executable, str(ROOT / "tests" / "faults" / "stress.py"), "50", "10"),

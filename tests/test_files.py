@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from slackswap_ds import planfile
+from slackswap_ds import plan_file
 from slackswap_ds.errors import InvalidFileError
 from slackswap_ds.files import read_json, write_atomically
 from slackswap_ds.plan import Plan
-from slackswap_ds.profile import StepProfile
+from slackswap_ds.step_profile import StepProfile
 
 HOSTILE = {
     "nested 100k deep": ("[" * 100_000 + "]" * 100_000).encode(),
@@ -27,7 +27,7 @@ def test_every_reader_names_the_file_whatever_it_holds(tmp_path, content):
     with pytest.raises(InvalidFileError, match=f"cannot read thing '{path}'"):
         read_json(path, "thing")
     with pytest.raises(InvalidFileError, match=f"cannot read plan_file '{path}'.*delete it"):
-        planfile.read(path)
+        plan_file.read(path)
     with pytest.raises(InvalidFileError, match=f"cannot read plan '{path}'"):
         Plan.load(path)
     with pytest.raises(InvalidFileError, match=f"cannot read profile '{path}'"):

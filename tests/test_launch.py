@@ -79,6 +79,7 @@ def test_mpirun_wrapper_matches_the_deepspeed_launcher(tmp_path, reference_losse
     assert out.count("agreed over MPI by 2 ranks") == 1  # an MPI launch: the plan was agreed over MPI
 
 
+@pytest.mark.slow  # (suite time: the mpirun wrapper above launches MPICH's Hydra the same way)
 @sharing("reference_losses")
 def test_deepspeed_mpich_launcher_on_loopback(tmp_path, reference_losses):
     """The README's `deepspeed --launcher mpich --hostfile launch/hostfile.localhost ...` command."""

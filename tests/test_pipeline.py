@@ -11,7 +11,6 @@ import pytest
 from slackswap_ds.cli import main
 from slackswap_ds.errors import ProfileError
 from slackswap_ds.hardware import load_node
-from slackswap_ds.plan import lower
 from slackswap_ds.pipeline import (
     GRAD_BYTES,
     PINNED_OPTIMIZER_BYTES_PER_PARAM,
@@ -27,7 +26,8 @@ from slackswap_ds.pipeline import (
     stage_profile,
     with_offload_traffic,
 )
-from slackswap_ds.planners import PRIVATE, Share
+from slackswap_ds.plan import lower
+from slackswap_ds.shares import PRIVATE, Share
 from slackswap_ds.simulator import simulate
 from slackswap_ds.workloads import PRESETS, Parallel, layer_activation_bytes
 
@@ -148,7 +148,7 @@ def test_the_job_command_prints_per_stage_peaks_and_plans(capsys):
 
 
 def test_gradient_reduction_overlapped_with_backward_leaves_only_the_tail_exposed():
-    from slackswap_ds.pipeline import GRAD_BYTES
+    from slackswap_ds.budget import GRAD_BYTES
     from slackswap_ds.workloads import region_params
 
     base = Job(SMALL, dp=4, zero=1)

@@ -41,7 +41,7 @@ def test_plan_for_another_profile_is_refused(tmp_path):
     plan = build(p)
     plan_path = tmp_path / "plan.json"
     plan.save(plan_path)
-    from slackswap_ds.profile import StepProfile
+    from slackswap_ds.step_profile import StepProfile
 
     other = StepProfile("other", p.ops, p.activations[:3] + (p.activations[3].__class__("r1:y", 21, (3,), (2,), ("r1:x",)),))
     with pytest.raises(PlanError, match="made for profile"):

@@ -4,7 +4,7 @@ import pytest
 
 from slackswap_ds.errors import InvalidFileError, ProfileError, UnknownNameError
 from slackswap_ds.hardware import STATUSES, hardware_dir, load_hardware, load_node, preset_names
-from slackswap_ds.profile import Activation, Op, StepProfile
+from slackswap_ds.step_profile import Activation, Op, StepProfile
 
 from conftest import two_region_profile
 

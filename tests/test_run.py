@@ -71,11 +71,13 @@ def disabled_run(tmp_path_factory):
     return run
 
 
+# (torchrun and Accelerate's own launcher: slow, for suite time; the HF Trainer builds its engine through
+# Accelerate's DeepSpeed plugin, and the deepspeed launcher's case runs the same script)
 @pytest.mark.parametrize("launcher, script, config", [
     pytest.param("plain", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
-    pytest.param("torchrun", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
+    pytest.param("torchrun", "plain_deepspeed", DEEPSPEED, marks=[sharing("disabled_run"), pytest.mark.slow]),
     ("plain", "hf_trainer", HF),
-    ("accelerate", "accelerate_plugin", ACCELERATE),
+    pytest.param("accelerate", "accelerate_plugin", ACCELERATE, marks=pytest.mark.slow),
 ], ids=["plain-deepspeed-launch", "torchrun-script", "hf-trainer-plain-launch", "accelerate-plugin"])
 def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_run, launcher, script, config):
     """Under `python -m slackswap_ds.run`, and under a plain `deepspeed script.py` (the package's
@@ -114,10 +116,10 @@ def test_the_hf_trainer_with_torch_compile_trains_as_the_same_compiled_job_witho
     assert len(reports) == 4 and all(peak <= budget for peak, budget in reports), reports
 
 
-# (2 ranks under ZeRO 0 and 2: slow, for suite time; 4 ranks cover more, and ZeRO-2 plans on own lengths
-# through the HF Trainer are tests/test_zero_plans.py's)
+# (all but ZeRO-3 on 2 ranks: slow, for suite time; ZeRO-2 plans on own lengths through the HF Trainer
+# are tests/test_zero_plans.py's, slow too)
 @pytest.mark.parametrize("n, stage, planner", [pytest.param(2, 0, "slackswap", marks=pytest.mark.slow),
-                                               (4, 0, "slackswap"),
+                                               pytest.param(4, 0, "slackswap", marks=pytest.mark.slow),
                                                pytest.param(2, 2, "full-recompute", marks=pytest.mark.slow),
                                                (2, 3, "slackswap")])
 def test_every_rank_on_its_own_lengths_every_step_trains_exactly_within_budget(tmp_path, n, stage, planner):

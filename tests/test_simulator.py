@@ -5,7 +5,7 @@ import pytest
 from slackswap_ds.hardware import Node
 from slackswap_ds.plan import Decision, Plan, lower
 from slackswap_ds.simulator import SimulationError, simulate, simulate_node
-from slackswap_ds.profile import Activation, Op, StepProfile
+from slackswap_ds.step_profile import Activation, Op, StepProfile
 
 from conftest import toy_hardware, two_region_profile
 
@@ -179,7 +179,8 @@ def test_zero_offsets_give_the_same_result_as_none():
 
 def test_zero_offsets_give_the_same_result_on_a_dgx(a100):
     from slackswap_ds.hardware import load_node
-    from slackswap_ds.planners import PLANNERS, Share
+    from slackswap_ds.planners import PLANNERS
+    from slackswap_ds.shares import Share
     from slackswap_ds.budget import resolve_budget
     from slackswap_ds.workloads import workload
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from slackswap_ds.attention_rates import AttentionShape
 from slackswap_ds.errors import InvalidFileError, ProfileError, UnknownNameError
 from slackswap_ds.hardware import load_hardware
-from slackswap_ds.profile import StepProfile
+from slackswap_ds.step_profile import StepProfile
 from slackswap_ds.workloads import (
     PRESETS,
     ModelSpec,

@@ -1,4 +1,4 @@
-"""Every kind of plan under every ZeRO stage, through launch/train.py on 2 CPU ranks, 30 steps each
+"""Every kind of plan under ZeRO-1 and ZeRO-3, through launch/train.py on 2 CPU ranks, 12 steps each
 (one launch: tests/launch/in_turn.py): budgets 0.3, 0.4 and 0.5, the full-recompute planner and
 seeded random plans (tests/launch/train_random.py). Losses and final parameters equal the job
 without SlackSwap; every planned step within its budget, the warm-up ones too; no error. Under
@@ -18,12 +18,16 @@ from test_run import HF, SLACKSWAP
 
 pytest.importorskip("deepspeed")
 
-STEPS = 30
+STEPS = 12  # 2 warm-up, 1 profiled, then 9 planned: the first of them verifies the plan
 PLANS = [("0.3", {"activation_budget": 0.3}), ("0.4", {"activation_budget": 0.4}), ("0.5", {"activation_budget": 0.5}),
          ("full", {"activation_budget": 0.5, "planner": "full-recompute"}),
          ("random1", {"activation_budget": 1.0, "planner": "random-1"}),
          ("random2", {"activation_budget": 1.0, "planner": "random-2"})]
-STAGES = (1, 2, 3)
+STAGES = (1, 2, 3)  # the slow matrix through the HF Trainer
+# the matrix through launch/train.py: ZeRO-2's plans see what ZeRO-1's do (activations are not sharded
+# below ZeRO-3), so for suite time ZeRO-2 runs here only in tests/test_engine.py's stages job, and in
+# the slow matrix
+FAST_STAGES = (1, 3)
 
 
 def config(stage: int, slackswap: dict | None) -> dict:
@@ -37,7 +41,7 @@ def config(stage: int, slackswap: dict | None) -> dict:
 def zero_plans_job(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("zero_plans")
     runs = []
-    for stage in STAGES:
+    for stage in FAST_STAGES:
         for name, slackswap in [("off", None), *PLANS]:
             run = f"{name}-z{stage}"
             (tmp / f"{run}.json").write_text(json.dumps(config(stage, slackswap)))
@@ -50,7 +54,7 @@ def zero_plans_job(tmp_path_factory) -> dict:
 
 
 @sharing("zero_plans_job")
-@pytest.mark.parametrize("stage", STAGES)
+@pytest.mark.parametrize("stage", FAST_STAGES)
 @pytest.mark.parametrize("plan", [name for name, _ in PLANS])
 def test_every_plan_is_exact_and_within_budget_under_zero(zero_plans_job, stage, plan):
     losses, params, log = zero_plans_job[f"{plan}-z{stage}"]

@@ -16,7 +16,7 @@ A budget is a fraction of the keep-all activation peak (``0.5``, ``50%``) or a b
 one line ``slackswap: error: ...`` on stderr and exit with 2; no stack traces.
 
 This module reads the arguments and prints; `cli/sweep.py` plans and simulates the rows, and
-`report.py` formats the tables. ``python -m slackswap_ds.cli`` runs `main` (`__main__.py`).
+`sim_report.py` formats the tables. ``python -m slackswap_ds.cli`` runs `main` (`__main__.py`).
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from .. import planfile
+from .. import plan_file
 from ..budget import Budget
 from ..errors import SlackSwapError
 from ..hardware import load_hardware, load_node, preset_names
 from ..planners import PLANNERS, get_planner, keep_all_result
-from ..report import job_table, paper_line, plan_summary, sweep_header, sweep_table
+from ..sim_report import job_table, paper_line, plan_summary, sweep_header, sweep_table
 from ..workloads import Parallel, preset_spec, presets, workload_names
 from .job_plans import replan, say
 from .sweep import (Group, Sweep, Target, Traced, Workload, job_row, native_stdout_to_stderr,
@@ -186,7 +186,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         rc = _write_trace(traced, args.trace)
     if args.plot:
-        from ..report import plot_sweep
+        from ..sim_report import plot_sweep
 
         plot_sweep(rows, args.plot)
         print(f"slackswap: sweep plot written to {args.plot}", file=sys.stderr)
@@ -198,7 +198,7 @@ def _write_trace(traced: Traced, path: str) -> int:
         print(f"slackswap: error: no trace written: the slackswap plan could not be simulated: {traced.error}",
               file=sys.stderr)
         return 1
-    from ..report import write_trace
+    from ..sim_report import write_trace
 
     write_trace(traced.result, path, title=traced.title, budget_bytes=traced.budget_bytes)
     print(f"slackswap: trace of the slackswap step written to {path}", file=sys.stderr)
@@ -311,11 +311,11 @@ def _plan_job_file(args: argparse.Namespace) -> int:
         raise SlackSwapError("--plan-file writes a plan file for a job: give -o FILE")
     if not Path(args.plan_file).is_file():
         raise SlackSwapError(f"no plan file {args.plan_file!r}: a job writes one at its plan_file path")
-    entries = planfile.read(args.plan_file)
+    entries = plan_file.read(args.plan_file)
     with native_stdout_to_stderr():
         replanned = replan(entries, args.planner, args.budget, args.hardware)
     try:
-        planfile.write(args.output, [r.entry for r in replanned])
+        plan_file.write(args.output, [r.entry for r in replanned])
     except OSError as e:
         raise SlackSwapError(f"cannot write plan file {args.output!r}: {e}") from e
     for r in replanned:

@@ -1,7 +1,7 @@
 """`slackswap plan --plan-file JOB_FILE`: a job's measured steps planned again, offline.
 
 A job with a `plan_file` keeps, beside each plan, the profile of the step it measured and what the
-plan was made for (planfile.py). Here every entry is planned again with the planner and budget
+plan was made for (plan_file.py). Here every entry is planned again with the planner and budget
 asked for (by default the job's own), for the same hardware and the same share of the node, and the
 plans are written as a plan file. A job with that `plan_file` and the same `planner` and
 `activation_budget` adopts them ("using the plan in plan_file ...") instead of planning: to try a
@@ -22,9 +22,10 @@ from ..budget import Budget
 from ..errors import BudgetInfeasibleError, SlackSwapError
 from ..hardware import Hardware, load_hardware, preset_by_digest
 from ..plan import Decision
-from ..planfile import Entry
+from ..plan_file import PlanEntry
 from ..planners import get_planner, keep_all_result
-from ..planners.common import Share, refusal
+from ..planners.common import refusal
+from ..shares import Share
 from ..simulator import SimResult
 
 
@@ -33,12 +34,12 @@ class Replanned:
     """One entry planned again: the new entry, the hardware it was planned for and its simulated step
     on the job's share (`result.throughput`: against the keep-all step there)."""
 
-    entry: Entry
+    entry: PlanEntry
     hw: Hardware
     result: SimResult
 
 
-def replan(entries: list[Entry], planner: str | None, budget: Budget | None, hardware: str | None) -> list[Replanned]:
+def replan(entries: list[PlanEntry], planner: str | None, budget: Budget | None, hardware: str | None) -> list[Replanned]:
     """Every entry planned again with `planner` and `budget` (None: the entry's own), for its job's
     hardware (a preset found by the digest the entry records, else the `hardware` file or preset
     given, which must have that digest) and its share."""
@@ -50,7 +51,7 @@ def replan(entries: list[Entry], planner: str | None, budget: Budget | None, har
     return [_replan(e, planner, budget, hardware) for e in entries]
 
 
-def _replan(entry: Entry, planner: str | None, budget: Budget | None, hardware: str | None) -> Replanned:
+def _replan(entry: PlanEntry, planner: str | None, budget: Budget | None, hardware: str | None) -> Replanned:
     made_for, profile = entry.made_for, entry.profile
     if profile is None:
         raise SlackSwapError(f"the plan for input shapes {made_for.inputs} was saved without the step's profile "
@@ -69,7 +70,7 @@ def _replan(entry: Entry, planner: str | None, budget: Budget | None, hardware: 
                              f"({refusal(planner, e)})") from None
     ideal_s = keep_all_result(profile, hw).step_s
     made_for = dataclasses.replace(made_for, budget_bytes=budget_bytes, planner=planner)
-    return Replanned(Entry(made_for, planned.plan, profile), hw,
+    return Replanned(PlanEntry(made_for, planned.plan, profile), hw,
                      dataclasses.replace(planned.result, ideal_s=ideal_s))
 
 

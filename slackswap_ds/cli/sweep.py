@@ -1,6 +1,6 @@
 """Sweeping for ``slackswap simulate``: plan and simulate every planner on every (workload, budget),
 on one GPU or a node of them, or a whole job across stages, and return the rows (the objects
-``--json`` prints). Nothing here formats a table: `report.py` does, and the command
+``--json`` prints). Nothing here formats a table: `sim_report.py` does, and the command
 (`cli/__init__.py`) prints. Progress, slow-planner notes and internal errors go to stderr as the
 sweep goes; a planner that fails marks its row and the sweep goes on.
 """
@@ -21,10 +21,11 @@ from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
 from ..pipeline import Job, StepResult, simulate_job
 from ..plan import Decision, Plan
-from ..planners import PRIVATE, Planned, Share, get_planner, keep_all_result, refusal
-from ..profile import StepProfile
-from ..report import short_source
+from ..planners import Planned, get_planner, keep_all_result, refusal
+from ..shares import PRIVATE, Share
+from ..sim_report import short_source
 from ..simulator import SimResult, simulate, simulate_node
+from ..step_profile import StepProfile
 from ..workloads import ModelSpec, Parallel, model_params, transformer_profile
 
 PROGRESS_ABOVE = 6  # (workload, budget) combinations above which progress goes to stderr

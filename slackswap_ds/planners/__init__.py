@@ -1,6 +1,6 @@
 """Planners. All share one signature: ``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Planned``
-(`holds`: micro-batches a pipeline stage holds at once under 1F1B; `Planned`: the plan with its one
-lowering and simulation; see planners.common)."""
+(`holds`: micro-batches a pipeline stage holds at once under 1F1B; `share`: the rank's share of its
+node, shares.py; `Planned`: the plan with its one lowering and simulation, imported from here)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from .baselines import (
     plan_offload_all,
     plan_recompute_knapsack,
 )
-from .common import PRIVATE, Planned, Share, keep_all_result, refusal
+from .common import Planned, keep_all_result, refusal
 from .optimal import plan_optimal
 from .slackswap import plan_slackswap
 
@@ -46,4 +46,4 @@ def get_planner(name: str) -> PlannerFn:
         raise UnknownNameError("planner", name, list(PLANNERS)) from None
 
 
-__all__ = ["PLANNERS", "PRIVATE", "Planned", "Share", "get_planner", "keep_all_result", "refusal"]
+__all__ = ["PLANNERS", "Planned", "get_planner", "keep_all_result", "refusal"]

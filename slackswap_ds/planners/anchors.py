@@ -1,4 +1,4 @@
-"""What a user would pick instead of SlackSwap in 2026 (../shared/reference/anchors.md), each planning
+"""What a user would pick instead of SlackSwap in 2026 (the anchors of docs/simulator.md), each planning
 as its system does, on the same signature as every planner:
 ``plan(profile, hardware, budget_bytes, share=PRIVATE, holds=1) -> Planned``.
 
@@ -28,9 +28,10 @@ from __future__ import annotations
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
 from ..plan import END_OF_FORWARD, Decision, Plan
-from ..profile import StepProfile
+from ..shares import PRIVATE, Share
+from ..step_profile import StepProfile
 from .baselines import CORE_ATTENTION_REPLAY, plan_megatron_selective
-from .common import PRIVATE, Planned, RegionModel, Share, finalize, keep_all, simulated
+from .common import Planned, RegionModel, finalize, keep_all, simulated
 from .milp import solve_region_milp
 
 # deepspeed/compile/passes/offload_activation.py (DeepSpeed 0.19.8): MIN_OFFLOAD_SIZE

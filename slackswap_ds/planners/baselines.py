@@ -9,9 +9,10 @@ from __future__ import annotations
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
 from ..plan import Decision, Plan, lower
-from ..profile import StepProfile
+from ..shares import PRIVATE, Share
 from ..simulator import simulate
-from .common import PRIVATE, Planned, RegionModel, Share, alap_triggers, finalize, keep_all
+from ..step_profile import StepProfile
+from .common import Planned, RegionModel, alap_triggers, finalize, keep_all
 from .milp import solve_region_milp
 
 # Ops that make up the attention core (scores, softmax, attention dropout), by op-name suffix, and the

@@ -4,8 +4,9 @@ solved exactly by HiGHS; an upper bound for any planner that plans within the sa
 from __future__ import annotations
 
 from ..hardware import Hardware
-from ..profile import StepProfile
-from .common import PRIVATE, Planned, RegionModel, Share
+from ..shares import PRIVATE, Share
+from ..step_profile import StepProfile
+from .common import Planned, RegionModel
 from .milp import MilpOptions, MilpResult, solve_region_milp
 
 

@@ -28,8 +28,9 @@ import numpy as np
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
 from ..plan import Decision
-from ..profile import StepProfile
-from .common import PRIVATE, Planned, RegionModel, Share, keep_all, region_peaks, release, repair
+from ..shares import PRIVATE, Share
+from ..step_profile import StepProfile
+from .common import Planned, RegionModel, keep_all, region_peaks, release, repair
 
 NAME, VERSION = "slackswap", "2"
 

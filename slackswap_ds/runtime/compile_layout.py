@@ -33,18 +33,16 @@ layout), and every plan is exact to that. `"enabled": false` keeps the user's la
 
 from __future__ import annotations
 
-import logging
 import weakref
 from dataclasses import dataclass
 
 from torch import nn
 
 from ..errors import SlackSwapError
+from ..logs import SAME_ON_EVERY_RANK, log
 
 __all__ = ["CompiledCodeError", "LayoutChange", "compiled_parts", "is_compiled", "to_per_block"]
 
-log = logging.getLogger("slackswap_ds")
-SAID_ONCE_PER_JOB = {"same_on_every_rank": True}  # (logs.SAME_ON_EVERY_RANK: rank 0 says it; the runtime is below logs)
 
 _MADE_EAGER: weakref.WeakSet = weakref.WeakSet()  # OptimizedModules whose forward now runs their module eagerly
 
@@ -143,7 +141,7 @@ def to_per_block(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> tuple
                     "gradient's parts in another order than the whole graph did); with inductor the job trains the "
                     "model compiled per block, whose backward kernels and dropout masks are not the whole model's "
                     "(the gradients' last bits differ). \"enabled\": false keeps your compilation as it was",
-                    "; ".join(c.describe() for c in changes), extra=SAID_ONCE_PER_JOB)
+                    "; ".join(c.describe() for c in changes), extra=SAME_ON_EVERY_RANK)
     return tuple(changes)
 
 

@@ -1,6 +1,6 @@
 """Run training steps under a Plan: keep, swap or recompute each saved tensor, exactly.
 
-`apply(model, plan, profile)` lowers the plan to its Schedule (plan.py) and returns an `Executor`,
+`executor_for(model, plan, profile)` lowers the plan to its Schedule (plan.py) and returns an `Executor`,
 a context manager: every step run inside follows the Schedule, read through its `Program`
 (program.py). Saved-tensor hooks are the whole steady-state mechanism; no dispatch mode watches a
 step, except inside the layer calls whose tensors the plan recomputes (calls.py, replay.py), as
@@ -62,7 +62,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import PlanError
 from ..plan import Decision, Plan, Schedule, lower
-from ..profile import StepProfile
+from ..step_profile import StepProfile
 from .aten import meta_of, no_dispatch
 from .calls import LayerCalls
 from .compiled import CompiledLayers
@@ -82,7 +82,7 @@ from .timeline import Timeline
 from .tracing import StepTracer
 from .verify import Replan, Verifier
 
-__all__ = ["Executor", "Observer", "PLAIN_TENSOR_TYPES", "apply"]
+__all__ = ["Executor", "Observer", "PLAIN_TENSOR_TYPES", "executor_for"]
 
 # tensor subclasses (FakeTensor, DTensor, ...) are left to autograd
 PLAIN_TENSOR_TYPES = (torch.Tensor, nn.Parameter)
@@ -127,7 +127,7 @@ def _modified(key: str, saved: int, now: int):
 
 
 class Executor:
-    """The context behind `apply` (see the module docstring). ``with executor as stats:``.
+    """The context behind `executor_for` (see the module docstring). ``with executor as stats:``.
 
     `Executor(model, schedule, profile, ...)` runs a lowered plan; without a plan, say which mode
     with `Executor.profiling` or `Executor.shelter`."""
@@ -429,11 +429,11 @@ class Executor:
 
 
 # ---- the entry point ------------------------------------------------------------------------------
-def apply(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule: Schedule | None = None,
-          pool: HostPool | None = None, record: bool = False, verify: bool = True, replan: Replan | None = None,
-          device: Device | None = None, takeover: bool = True) -> Executor:
+def executor_for(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule: Schedule | None = None,
+                 pool: HostPool | None = None, record: bool = False, verify: bool = True,
+                 replan: Replan | None = None, device: Device | None = None, takeover: bool = True) -> Executor:
     """Context manager: every step run inside follows `plan`, made for `profile` of this model.
-    ``with apply(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
+    ``with executor_for(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
 
     `schedule`: the plan's lowering, if the caller has it (else lowered here); `pool` (HostPool;
     default: an unbounded one); `record` (measured timelines); `verify` (check recomputes on the
@@ -447,6 +447,6 @@ def apply(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule: Sched
     if schedule is None:
         schedule = lower(profile, plan)
     elif schedule.plan != plan:
-        raise PlanError("the schedule passed to apply() executes another plan")
+        raise PlanError("the schedule passed to executor_for() executes another plan")
     return Executor(model, schedule, profile, pool=pool, record=record, verify=verify, replan=replan,
                     takeover=takeover, device=device)

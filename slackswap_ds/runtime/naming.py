@@ -1,7 +1,8 @@
 """The one place that names the parts of a measured step: regions, ops and saved activations.
 
 Names are stable: the same on every step and every rank that runs the same model on the same
-shapes, and never built from `id()` or a global counter (DESIGN.md section 4).
+shapes, and never built from `id()` or a global counter: plans, plan files and the ranks' agreement
+name saved tensors by them (`<region>:<n>:<maker>`).
 
 * **Region labels.** A layer call is labelled by the layer's module path (``transformer.h.3``);
   a layer called again in the same step (a second forward before backward, or one module shared by

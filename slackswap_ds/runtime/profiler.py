@@ -18,23 +18,21 @@ its layer call, or saved in a gap between calls, has no producers: it can be kep
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..profile import Activation, Op, StepProfile
-from .compile_layout import SAID_ONCE_PER_JOB
+from ..logs import SAME_ON_EVERY_RANK, log
+from ..step_profile import Activation, Op, StepProfile
 from .device import device_of
 from .executor import Executor
-from .stats import StepStats
 from .naming import is_gap
+from .stats import StepStats
 from .tracing import StepTracer, TracedSave
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
-log = logging.getLogger("slackswap_ds")
 _SAID: set[tuple[str, ...]] = set()  # the layer sets said to call compiled code (once each per process)
 
 
@@ -140,7 +138,7 @@ def _say_compiled_code_in(regions: list[str]) -> None:
     log.warning("slackswap: %d layer(s) call compiled code (a torch.compile'd function) from their eager code (%s): "
                 "a replay cannot see inside it, so their saved tensors are kept or swapped, never recomputed. To "
                 "have them recomputed, compile each such layer whole (blocks[i] = torch.compile(blocks[i]))",
-                len(regions), ", ".join(regions[:4]) + (", ..." if len(regions) > 4 else ""), extra=SAID_ONCE_PER_JOB)
+                len(regions), ", ".join(regions[:4]) + (", ..." if len(regions) > 4 else ""), extra=SAME_ON_EVERY_RANK)
 
 
 def _users(tracer: StepTracer, save: TracedSave) -> set[int]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..derive import derived
 from ..plan import Decision, Kind, Schedule
-from ..profile import Activation, StepProfile
+from ..step_profile import Activation, StepProfile
 
 __all__ = ["PlannedTensor", "Program"]
 

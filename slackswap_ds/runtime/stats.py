@@ -1,7 +1,7 @@
 """What an executor counts: per step (`StepStats`) and over its life (`RunStats`).
 
-``with apply(model, plan, profile) as stats:`` hands out the `RunStats`; `stats.last_step` is the
-last closed step's `StepStats`. Device bytes are those of residency.py (DESIGN.md's budget).
+``with executor_for(model, plan, profile) as stats:`` hands out the `RunStats`; `stats.last_step` is the
+last closed step's `StepStats`. Device bytes are those of residency.py (what a budget bounds).
 """
 
 from __future__ import annotations

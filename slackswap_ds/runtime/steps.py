@@ -30,6 +30,7 @@ import collections
 import logging
 from typing import Callable, Hashable
 
+from ..logs import log
 from .entries import Entries
 from .program import Program
 from .records import Step
@@ -38,7 +39,6 @@ from .stats import RunStats
 from .swaps import Swaps
 from .verify import Verifier
 
-log = logging.getLogger("slackswap_ds")
 
 __all__ = ["Steps"]
 

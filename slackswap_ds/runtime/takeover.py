@@ -24,7 +24,6 @@ of the real keep-all footprint, because the profile sees every activation.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 import threading
 import weakref
@@ -32,7 +31,8 @@ from typing import Iterator
 
 from torch import nn
 
-log = logging.getLogger("slackswap_ds")
+from ..logs import log
+
 
 _lock = threading.RLock()
 _depth = 0

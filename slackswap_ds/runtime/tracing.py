@@ -24,7 +24,6 @@ Only the profiled step pays for this (a Python call per op); steps under a plan 
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -34,6 +33,7 @@ from typing import Callable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from ..logs import log
 from .aten import RuntimeMode, by_value, is_compute, mutated_args, tensors_in
 from .flat import flatten
 from .naming import op_key
@@ -82,7 +82,6 @@ class TracedSave:
 
 
 _DYNAMO_WRAPPERS = os.path.join("_dynamo", "eval_frame.py")  # where compile_wrapper is defined
-log = logging.getLogger("slackswap_ds")
 
 
 def _in_backward() -> bool:

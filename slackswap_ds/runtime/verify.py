@@ -1,6 +1,6 @@
 """VERIFY: the first step under a plan checks every recomputed tensor; a failure demotes it.
 
-The safety net for models nobody here has seen (DESIGN.md section 6). On the first step under each
+The safety net for models nobody here has seen (docs/runtime.md). On the first step under each
 plan that recomputes anything, every RECOMPUTE tensor is also copied to the host in forward
 (`keep_original`), into a pool of its own: the plan's pool is sized for its swaps, and this one is
 trimmed after that step. When the replay regenerates the tensor, the new bytes are compared with
@@ -16,13 +16,13 @@ the reason.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
 
+from ..logs import log
 from ..plan import Decision, Plan, lower
-from ..profile import StepProfile
+from ..step_profile import StepProfile
 from .aten import bytes_of, no_dispatch
 from .device import Device
 from .host_pool import HostBuffer, HostPool
@@ -31,7 +31,6 @@ from .records import Entry, Step
 from .residency import Residency
 from .swaps import unbounded_pool
 
-log = logging.getLogger("slackswap_ds")
 
 __all__ = ["Replan", "Verifier", "swap_instead"]
 

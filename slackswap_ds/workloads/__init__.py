@@ -24,7 +24,7 @@ from typing import Iterable, Mapping
 
 from ..errors import ProfileError
 from ..hardware import Hardware, load_hardware
-from ..profile import Activation, Op, StepProfile
+from ..step_profile import Activation, Op, StepProfile
 from .builder import CostBuilder, add_embedding, add_head
 from .layer import add_layer
 from .presets import load_workload_file, preset_spec, presets, workload_names, workloads_dir

@@ -35,7 +35,7 @@ if __name__ == "__main__":
     ranks_from_mpi()  # before DeepSpeed reads them
 
 import slackswap_ds as ss  # noqa: E402
-from slackswap_ds import coordination, plans  # noqa: E402
+from slackswap_ds import coordination, plan_maker  # noqa: E402
 
 
 class Block(torch.nn.Module):
@@ -72,9 +72,9 @@ def main(scenario: str, timeout_s: float) -> None:
                             "sync": "mpi" if scenario == "sync-mpi" else "auto"}}
     engine, _, _, _ = ss.initialize(model=model, model_parameters=model.parameters(), config=config)
     if scenario == "stop0-plan" and rank == 0:
-        fault_before(plans, "agree", stop_here)
+        fault_before(plan_maker, "agree", stop_here)
     if scenario == "stop3-agree" and rank == 3:
-        fault_before(plans, "agree", stop_here)
+        fault_before(plan_maker, "agree", stop_here)
     if scenario == "kill2-facts" and rank == 2:
         fault_before(coordination, "exchange", lambda: os._exit(1))  # the node facts
     if scenario == "forward3" and rank == 3:

@@ -15,7 +15,8 @@ sys.path.insert(0, str(ROOT / "tests" / "runtime"))
 from exactness import random_plan  # noqa: E402
 
 from slackswap_ds import planners  # noqa: E402
-from slackswap_ds.planners.common import PRIVATE, simulated  # noqa: E402
+from slackswap_ds.planners.common import simulated  # noqa: E402
+from slackswap_ds.shares import PRIVATE  # noqa: E402
 
 
 def plan_random(seed, profile, hw, budget_bytes, share=PRIVATE, holds=1):

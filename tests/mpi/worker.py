@@ -11,8 +11,8 @@ import torch
 import slackswap_ds as ss
 from slackswap_ds.agreement import AgreementError, agree, exchange
 from slackswap_ds.channels import MpiChannel
-from slackswap_ds.dist import RankFacts, node_layout, shares_of
 from slackswap_ds.hardware import load_node
+from slackswap_ds.node_facts import RankFacts, node_layout, shares_of
 from slackswap_ds.plan import Decision, Plan
 
 

@@ -4,12 +4,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from slackswap_ds.budget import resolve_budget
 from slackswap_ds.errors import BudgetInfeasibleError, UnknownNameError
 from slackswap_ds.plan import Decision, lower
-from slackswap_ds.planners import PLANNERS, PRIVATE, Share, get_planner, keep_all_result
-from slackswap_ds.budget import resolve_budget
-from slackswap_ds.profile import Activation, Op, StepProfile
+from slackswap_ds.planners import PLANNERS, get_planner, keep_all_result
+from slackswap_ds.shares import PRIVATE, Share
 from slackswap_ds.simulator import simulate
+from slackswap_ds.step_profile import Activation, Op, StepProfile
 from slackswap_ds.workloads import workload
 
 import sys, pathlib
@@ -122,7 +123,8 @@ def test_budget_resolution():
 
 
 @pytest.mark.parametrize("name, overrides", [("bert-large", {"layers": 6}), ("gpt2-xl", {"layers": 6, "micro_batch": 2}),
-                                             ("llama-7b", {"layers": 6, "micro_batch": 1})])
+                                             pytest.param("llama-7b", {"layers": 6, "micro_batch": 1},
+                                                          marks=pytest.mark.slow)])  # (suite time: 20 s here)
 def test_slackswap_beats_baselines_and_is_near_optimal(a100, name, overrides):
     p = workload(name, a100, **overrides)
     ideal = keep_all_result(p, a100).step_s

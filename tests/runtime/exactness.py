@@ -15,7 +15,7 @@ from torch import nn
 
 import slackswap_ds as ss
 from slackswap_ds.plan import Decision, Plan
-from slackswap_ds.profile import StepProfile
+from slackswap_ds.step_profile import StepProfile
 
 Result = tuple[torch.Tensor, dict[str, torch.Tensor]]
 

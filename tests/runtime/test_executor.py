@@ -261,7 +261,7 @@ def test_in_place_change_of_a_saved_tensor_never_gives_a_wrong_gradient():
 
 
 def test_recorded_timeline_is_a_trace_of_the_measured_step():
-    from slackswap_ds.report import chrome_trace
+    from slackswap_ds.sim_report import chrome_trace
 
     model = tiny("gpt2")
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))

@@ -122,16 +122,19 @@ def test_a_micro_batch_started_twice_is_refused(setup):
     gc.collect()
 
 
+# (llama and bert: slow, for suite time; gpt2's soak runs here)
+@pytest.mark.parametrize("setup", ["gpt2", pytest.param("llama", marks=pytest.mark.slow),
+                                   pytest.param("bert", marks=pytest.mark.slow)], indirect=True)
 def test_soak_of_1f1b_batches_with_recompute_and_swap_leaves_memory_flat(setup):
-    """120 batches of 4 micro-batches (2 in flight) under a plan that swaps and recomputes: live
-    tensors equal and RSS flat between batch 40 and batch 119; nothing left on the device."""
+    """80 batches of 4 micro-batches (2 in flight) under a plan that swaps and recomputes: live
+    tensors equal and RSS flat between batch 30 and batch 79; nothing left on the device."""
     model, batches, prof = setup
     plan = random_plan(prof, 2)
     assert {Decision.SWAP, Decision.RECOMPUTE} <= set(plan.decision.values())
     executor = ss.apply(model, plan, prof)
-    samples = soak(lambda: run_schedule(model, batches, 2, executor), 120, (40, 119))  # (the allocators settle first)
-    (tensors_40, rss_40, _), (tensors_119, rss_119, _) = samples
-    assert tensors_119 == tensors_40
-    assert rss_119 - rss_40 < 4 << 20, (rss_40 >> 20, rss_119 >> 20)
+    samples = soak(lambda: run_schedule(model, batches, 2, executor), 80, (30, 79))  # (the allocators settle first)
+    (tensors_30, rss_30, _), (tensors_79, rss_79, _) = samples
+    assert tensors_79 == tensors_30
+    assert rss_79 - rss_30 < 4 << 20, (rss_30 >> 20, rss_79 >> 20)
     assert executor.stats.last_step.ops_recomputed > 0 and executor.resident_bytes == 0
     assert executor.open_micro_batches == 0

@@ -14,7 +14,7 @@ import slackswap_ds as ss
 from slackswap_ds.agreement import AgreementError, agree
 from slackswap_ds.channels import StoreChannel
 from slackswap_ds.config import load_config
-from slackswap_ds.engine import SlackSwapRuntime
+from slackswap_ds.engine import EngineHooks
 from slackswap_ds.plan import Decision, Plan
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "mpi"))
@@ -22,7 +22,7 @@ from worker import grads, model_and_batch, step  # noqa: E402  (the MPI worker's
 
 
 class EngineShim:
-    """What SlackSwapRuntime wraps: a module with forward and backward."""
+    """What EngineHooks wraps: a module with forward and backward."""
 
     def __init__(self, module):
         self.module = module
@@ -57,8 +57,7 @@ def main(scenario: str, timeout_s: float) -> None:
                                          "host_pool_bytes_per_node": 65536, "sync": "torch",
                                          "sync_timeout_s": timeout_s}})
         os.environ["LOCAL_RANK"] = str(rank % 2)
-        runtime = SlackSwapRuntime(EngineShim(model), cfg)
-        runtime.attach()
+        runtime = EngineHooks(EngineShim(model), cfg).attach()
         coordinator = runtime.coordinator
         channel = coordinator.job_channel()
         budget = profile.total_bytes // 2 + 1000 * rank  # unequal demands: rank r wants 1000*r B less
@@ -73,8 +72,9 @@ def main(scenario: str, timeout_s: float) -> None:
         except AgreementError as e:
             emit({**out, "error": str(e), "seconds": time.monotonic() - began})
             os._exit(0)
-        out.update(d2h=runtime.share.d2h_bps, h2d=runtime.share.h2d_bps, pool=runtime.share.host_pool_bytes,
-                   plan_d2h=runtime.plan_share.d2h_bps, plan_pool=runtime.plan_share.host_pool_bytes,
+        own, plan = coordinator.shares.own, coordinator.shares.plan
+        out.update(d2h=own.d2h_bps, h2d=own.h2d_bps, pool=own.host_pool_bytes, plan_d2h=plan.d2h_bps,
+                   plan_pool=plan.host_pool_bytes,
                    demand=profile.total_bytes - budget, channel=type(channel).__name__)
         emit(out)
         return

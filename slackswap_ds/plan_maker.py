@@ -1,7 +1,7 @@
 """Plans for one rank's input shapes: made within the budget, fitted to the device, agreed, installed.
 
-`PlanMaker` is what the DeepSpeed engine's runtime (engine.py) and the pipeline stages' (stages.py)
-both use to turn a measured profile into a running executor:
+`PlanMaker` is what the shape lifecycle (lifecycle.py, shape_plans.py) uses to turn a measured or
+derived profile into a running executor, on the DeepSpeed engine and on pipeline stages alike:
 
     within_budget   the configured planner's plan for `holds` micro-batches at once; if it finds
                     none within the budget, the fastest (simulated) of the fallbacks that does,
@@ -12,8 +12,9 @@ both use to turn a measured profile into a running executor:
                     synchronous: prefetches timed for the planning hardware are retimed if they
                     would push the peak over the budget there
     agree           node facts, the lead rank's plan (from plan_file if one was made for exactly
-                    this job), and the agreement of every rank that runs it (coordination.py); where
-                    the ranks' input shapes differ, each rank's own plan
+                    this job), and the agreement of every rank of the coordinator's group (the job,
+                    or a pipeline stage; coordination.py); where their input shapes differ, each
+                    rank's own plan
     plan_locally    a plan of this rank alone, with its own share: every shape after the job's first
     install         the shape's executor on this rank's host pool, and the prediction reports
                     compare with; the plan is not lowered or simulated again where the planner's
@@ -27,26 +28,27 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from . import planfile
-from .agreement import Channel, agree
+from . import plan_file
+from .agreement import agree
+from .budget import AUTO_MARGIN, auto_budget_bytes
 from .config import SlackSwapConfig
 from .coordination import Coordinator
-from .budget import AUTO_MARGIN, auto_budget_bytes
 from .deepspeed_api import offloads_parameters, partitions_parameters, zero_offload_pinned_bytes, zero_sharding
 from .errors import BudgetInfeasibleError, PlanError
 from .hardware import Hardware
 from .logs import EVERY_RANK, log
 from .machine import device_room, resolve_hardware
 from .plan import Plan, lower
-from .planfile import MadeFor
-from .planners import PLANNERS, PRIVATE, get_planner, keep_all_result, refusal
-from .planners.common import Planned, Share, fit_triggers, held_bytes, simulated
-from .profile import StepProfile
+from .plan_file import MadeFor
+from .planners import PLANNERS, get_planner, keep_all_result, refusal
+from .planners.common import Planned, fit_triggers, held_bytes, simulated
 from .runtime.device import Device
-from .runtime.executor import apply
+from .runtime.executor import executor_for
 from .runtime.host_pool import HostPool
 from .shapes import Prediction, ShapeKey, ShapeState, describe
+from .shares import PRIVATE, Share
 from .simulator import SimResult, simulate
+from .step_profile import StepProfile
 
 # tried, fastest first by simulation, when the configured planner finds no plan within the budget:
 # swapping everything needs only the host pool; recomputing everything, only the layer inputs
@@ -82,9 +84,11 @@ class PlanMaker:
         self.pool: HostPool | None = None  # one HostPool for every shape's executor
 
     @classmethod
-    def for_engine(cls, engine, cfg: SlackSwapConfig) -> "PlanMaker":
-        """What every rank settles as DeepSpeed starts, for the engine's runtime and the stages'
-        alike: the hardware to plan for, how ranks agree (coordination.py), ZeRO's host traffic."""
+    def for_engine(cls, engine, cfg: SlackSwapConfig, stage: int | None = None,
+                   members: list[int] | None = None) -> "PlanMaker":
+        """What every rank settles as DeepSpeed starts, for a data-parallel engine and a pipeline
+        stage (`stage`, with the job ranks in it) alike: the hardware to plan for, how ranks agree
+        (coordination.py), ZeRO's host traffic."""
         hw = resolve_hardware(cfg.hardware)
         if offloads_parameters(engine):
             log.warning("slackswap: ZeRO-Infinity parameter offload (offload_param) moves every layer's parameters "
@@ -95,8 +99,8 @@ class PlanMaker:
             log.info("slackswap: ZeRO-3 gathers each layer's parameters in hooks around its forward and backward "
                      "(collectives of the data-parallel group); a replay would gather them again on one rank "
                      "alone, so plans keep or swap saved tensors here, never recompute them")
-        return cls(cfg, hw, engine.module, Coordinator(cfg, hw), zero_offload_pinned_bytes(engine), recompute,
-                   zero_sharding(engine))
+        return cls(cfg, hw, engine.module, Coordinator(cfg, hw, stage, members), zero_offload_pinned_bytes(engine),
+                   recompute, zero_sharding(engine))
 
     def budget_for(self, keep_all_bytes: int) -> int:
         """`activation_budget` in bytes for a step whose keep-all peak is `keep_all_bytes`; "auto" is
@@ -171,20 +175,26 @@ class PlanMaker:
                      "stays within its budget here (%s -> %s)", planned.plan.digest[:12], fitted.plan.digest[:12])
         return fitted
 
-    def agree(self, local: StepProfile, budget: int, key: ShapeKey, channel: Channel, peers: list[int] | None = None,
-              use_plan_file: bool = True) -> Agreed:
+    def agree(self, local: StepProfile, budget: int, key: ShapeKey) -> Agreed:
         """Steps 1-3 of coordination.py for `local` (this rank's profile of shape `key`): node facts
-        with every rank of the job, the plan made by `channel`'s rank 0 (the lead of `peers`), and
-        its agreement over `channel`."""
+        with every rank of the job, the plan made by the first rank of the coordinator's group (the
+        job, or a pipeline stage), and its agreement over the group's channel (then, for a stage,
+        every stage's plan on every rank)."""
         coordinator, local = self.coordinator, self.plannable(local)
-        if not coordinator.exchange_facts(local, budget, describe(key), self.holds, self.offload_pinned_bytes, peers):
-            return self.plan_locally(local, budget, key)
-        plan = planned = None
-        if channel.rank == 0:
-            planned = self._planned(local, budget, key, coordinator.shares.plan, use_plan_file)
-            plan = planned.plan
-        profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
-        return Agreed(profile, plan, planned, coordinator.shares.plan, channel.world)
+        channel, peers = coordinator.agreement_group()
+        with coordinator.agreeing():
+            if not coordinator.exchange_facts(local, budget, describe(key), self.holds, self.offload_pinned_bytes,
+                                              peers):
+                agreed = self.plan_locally(local, budget, key)
+            else:
+                plan = planned = None
+                if channel.rank == 0:
+                    planned = self._planned(local, budget, key, coordinator.shares.plan, use_plan_file=True)
+                    plan = planned.plan
+                profile, plan = agree(channel, local, plan, self.cfg.sync_timeout_s)
+                agreed = Agreed(profile, plan, planned, coordinator.shares.plan, channel.world)
+        coordinator.stage_round(agreed.plan.digest, agreed.ranks == channel.world)
+        return agreed
 
     def plan_locally(self, local: StepProfile, budget: int, key: ShapeKey, use_plan_file: bool = True) -> Agreed:
         """This rank's own plan for `local` (of input shapes `key`), with its own share: no other
@@ -202,7 +212,7 @@ class PlanMaker:
         if planned is None:
             planned = self.fit_to_device(local, self.within_budget(local, budget, self.cfg.planner, share), share)
             if made_for is not None:
-                self.save_plan(planfile.Entry(made_for, planned.plan, local))
+                self.save_plan(plan_file.PlanEntry(made_for, planned.plan, local))
         return planned
 
     # ---- installing it -----------------------------------------------------------------------------
@@ -224,17 +234,19 @@ class PlanMaker:
         else:  # another share than the plan's, a plan received or read from a file, or a recorded trace
             sim = simulate(schedule, shares.own.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
         state.profile, state.plan = profile, plan
-        state.executor = apply(self.module, plan, profile, schedule=schedule, pool=self.pool, replan=self.replan)
+        state.executor = executor_for(self.module, plan, profile, schedule=schedule, pool=self.pool,
+                                      replan=self.replan)
         state.prediction = self._prediction(profile, sim, held)
         return sim
 
-    def after_step(self, state: ShapeState, steps: int) -> None:
+    def after_step(self, state: ShapeState, steps: int) -> bool:
         """After planned step (or pipeline batch) number `steps` of `state`'s shape: the state follows
-        a re-plan that step's verification made, and every `verify_every` steps the next step checks
-        the plan's recomputes again (the replay contract)."""
-        self.follow(state)
+        a re-plan that step's verification made (whether it did), and every `verify_every` steps the
+        next step checks the plan's recomputes again (the replay contract)."""
+        followed = self.follow(state)
         if self.cfg.verify_every and steps % self.cfg.verify_every == 0:
             state.executor.verify_again()
+        return followed
 
     def follow(self, state: ShapeState) -> bool:
         """After the executor re-planned (a failed verification demoted tensors): the state's plan,
@@ -249,7 +261,7 @@ class PlanMaker:
                        budget_bytes=plan.budget_bytes - held, record=False)
         state.profile, state.plan, state.prediction = profile, plan, self._prediction(profile, sim, held)
         log.info("slackswap: now running plan %s (re-planned without the recomputes that did not replay exactly; "
-                 "%s), predicted %.1f%% of ideal, peak %s B of %s B", plan.digest[:12], plan_summary(plan, profile),
+                 "%s), predicted %.1f%% of ideal, peak %s B of %s B", plan.digest[:12], fate_bytes(plan, profile),
                  100 * state.prediction.throughput, f"{state.prediction.peak_bytes:,}", f"{plan.budget_bytes:,}",
                  extra=EVERY_RANK)
         return True
@@ -269,7 +281,7 @@ class PlanMaker:
 
     # ---- plan files --------------------------------------------------------------------------------
     def made_for(self, profile: StepProfile, budget: int, key: ShapeKey, share: Share) -> MadeFor:
-        """What a plan made now on `share` is made for (planfile.MadeFor)."""
+        """What a plan made now on `share` is made for (plan_file.MadeFor)."""
         return MadeFor(
             inputs=describe(key), structure=profile.structure_digest, budget_bytes=int(budget),
             hardware=f"{self.hw.name} {self.hw.digest}", planner=self.cfg.planner,
@@ -283,8 +295,8 @@ class PlanMaker:
         path = self.cfg.plan_file
         if not path:
             return None
-        entries = planfile.read(path)  # a malformed or foreign file raises with the reason
-        entry, why = planfile.find(entries, made_for)
+        entries = plan_file.read(path)  # a malformed or foreign file raises with the reason
+        entry, why = plan_file.find(entries, made_for)
         planned = None
         if entry is not None:
             try:
@@ -316,21 +328,21 @@ class PlanMaker:
             return [f"its plan peaks at {planned.peak_bytes:,} B, over the budget of {budget:,} B"]
         return []
 
-    def save_plan(self, entry: planfile.Entry) -> None:
+    def save_plan(self, entry: plan_file.PlanEntry) -> None:
         """Add the entry to plan_file (atomically; rank 0 only); a read-only file is left as it is."""
         path = self.cfg.plan_file
         if not path:
             return
-        if not planfile.writable(path):
+        if not plan_file.writable(path):
             log.info("slackswap: plan_file %s is read-only: used as it is, not updated", path)
             return
         try:
-            planfile.write(path, planfile.upsert(planfile.read(path), entry))
+            plan_file.write(path, plan_file.upsert(plan_file.read(path), entry))
         except OSError as e:  # the plan is made and agreed: losing the file must not stop training
             log.warning("slackswap: could not write plan_file %s (%s); the plan is used, not saved", path, e)
 
 
-def plan_summary(plan: Plan, profile: StepProfile) -> str:
+def fate_bytes(plan: Plan, profile: StepProfile) -> str:
     """`keep X B, swap Y B, recompute Z B` of a plan, as the plan lines say it."""
     from .plan import Decision
 
@@ -339,4 +351,4 @@ def plan_summary(plan: Plan, profile: StepProfile) -> str:
             f"recompute {split[Decision.RECOMPUTE]:,} B")
 
 
-__all__ = ["Agreed", "FALLBACK_PLANNERS", "PlanMaker", "plan_summary"]
+__all__ = ["Agreed", "FALLBACK_PLANNERS", "PlanMaker", "fate_bytes"]

@@ -38,8 +38,8 @@ from .errors import SlackSwapError
 from .files import write_atomically
 from .pipeline import Job, StepResult
 from .plan import Decision, Plan
-from .profile import StepProfile
 from .simulator import SimResult
+from .step_profile import StepProfile
 from .workloads import ModelSpec, Parallel
 
 STREAM_TIDS = {"compute": 1, "d2h": 2, "h2d": 3}

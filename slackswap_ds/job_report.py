@@ -19,10 +19,10 @@ from .files import write_atomically
 from .hardware import Hardware
 from .logs import EVERY_RANK, SAME_ON_EVERY_RANK, job_rank, log
 from .plan import Plan
-from .plans import Agreed, plan_summary
+from .plan_maker import Agreed, fate_bytes
 from .shapes import Prediction, ShapeState
 
-KINDS = ("warm-up", "profiled", "planned", "shelter")  # how a step ran (engine.py's lifecycle)
+KINDS = ("warm-up", "profiled", "planned", "shelter")  # how a step ran (lifecycle.py)
 
 
 class StepReports:
@@ -110,32 +110,49 @@ def say_compiled_anew(step: int, compiled: frozenset[str], before: frozenset[str
                 step, sorted(compiled) or "none", sorted(before) or "none", warmup_steps, extra=SAME_ON_EVERY_RANK)
 
 
-def say_own_plan(rank: int, shapes: str, state: ShapeState, how: str, device_type: str) -> None:
-    """A plan a rank made alone, for input shapes of its own (every rank says its own)."""
+def say_own_plan(who: str, shapes: str, state: ShapeState, how: str, holds: int | None, device_type: str) -> None:
+    """A plan a rank made alone, for input shapes of its own (every rank says its own; `who`: `rank
+    r`, or `stage s rank r` with `holds` micro-batches in flight)."""
     plan = state.plan
-    log.info("slackswap rank %d: input shapes %s: plan %s %s; budget %s B of %s B keep-all; %s; predicts "
-             "%.1f%% of ideal throughput%s", rank, shapes, plan.digest[:12], how, f"{plan.budget_bytes:,}",
-             f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile), 100 * state.prediction.throughput,
-             measured_on(device_type), extra=EVERY_RANK)
+    own = "" if holds is None else f" of this rank's own ({holds} micro-batch(es) in flight),"
+    log.info("slackswap %s: input shapes %s: plan %s%s %s; budget %s B of %s B keep-all; %s; predicts %.1f%% of "
+             "ideal throughput%s", who, shapes, plan.digest[:12], own, how, f"{plan.budget_bytes:,}",
+             f"{(holds or 1) * state.profile.total_bytes:,}", fate_bytes(plan, state.profile),
+             100 * state.prediction.throughput, measured_on(device_type), extra=EVERY_RANK)
 
 
-def say_agreed_plan(state: ShapeState, agreed: Agreed, shares, hw: Hardware, via: str, rank: int, world: int,
-                    device_type: str) -> None:
+def say_agreed_plan(state: ShapeState, agreed: Agreed, coordinator, hw: Hardware, device_type: str) -> None:
     """One plan line per job (rank 0's), and one from each rank whose link share differs."""
-    plan = agreed.plan
+    plan, shares = agreed.plan, coordinator.shares
+    channel = coordinator.job_channel()
     rank_hw = shares.own.limit(hw)  # this rank's link as shared with its neighbours
     throughput = 100 * state.prediction.throughput
-    if rank == 0:
+    if channel.rank == 0:
         log.info("slackswap rank 0: budget %s B of %s B keep-all; %s; planner %s on %s (link share D2H %.1f / "
                  "H2D %.1f GB/s) predicts %.1f%% of ideal throughput%s; plan %s agreed over %s by %d ranks",
-                 f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", plan_summary(plan, state.profile),
+                 f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", fate_bytes(plan, state.profile),
                  plan.planner, hw.name, rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, throughput,
-                 measured_on(device_type), plan.digest[:12], via, world)
+                 measured_on(device_type), plan.digest[:12], coordinator.via, channel.world)
     elif shares.own != shares.lead:  # the same plan; what differs on this rank
         log.info("slackswap rank %d: plan %s with this rank's link share D2H %.1f / H2D %.1f GB/s and pool %s "
-                 "(rank 0 differs) predicts %.1f%% of ideal throughput", rank, plan.digest[:12],
+                 "(rank 0 differs) predicts %.1f%% of ideal throughput", channel.rank, plan.digest[:12],
                  rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, shares.own.host_pool_bytes, throughput,
                  extra=EVERY_RANK)
+
+
+def say_stage_plan(state: ShapeState, agreed: Agreed, coordinator, hw: Hardware, holds: int,
+                   device_type: str) -> None:
+    """A pipeline stage's agreed plan, said by its first rank (one line per stage)."""
+    if not coordinator.leads_group():
+        return
+    plan, profile = agreed.plan, agreed.profile
+    log.info("slackswap stage %d (ranks %s): %d micro-batch(es) in flight; budget %s B of %s B keep-all (%d x %s "
+             "B); per micro-batch %s; planner %s on %s predicts %.1f%% of ideal throughput and a peak of %s B%s; "
+             "plan %s agreed over %s by %d ranks", coordinator.stage, coordinator.members, holds,
+             f"{plan.budget_bytes:,}", f"{holds * profile.total_bytes:,}", holds, f"{profile.total_bytes:,}",
+             fate_bytes(plan, profile), plan.planner, hw.name, 100 * state.prediction.throughput,
+             f"{state.prediction.peak_bytes:,}", measured_on(device_type), plan.digest[:12], coordinator.via,
+             coordinator.group_size(), extra=EVERY_RANK)
 
 
 class JobSummary:
@@ -240,19 +257,19 @@ def trace_path(trace_file: str, kind: str) -> str:
     return f"{root}.{kind}{ext or '.json'}"
 
 
-def write_trace(result, trace_file: str, kind: str, **kw) -> bool:
+def write_job_trace(result, trace_file: str, kind: str, **kw) -> bool:
     """The `kind` ("predicted", "measured") trace of `result` at its path beside `trace_file`;
     whether it was written. A trace that cannot be written (a full disk, a read-only folder, a path
     that is not a regular file) is a warning: the job trains on without it."""
-    from .report import ReportError, write_trace as write
+    from .sim_report import ReportError, write_trace
 
     try:
-        write(result, trace_path(trace_file, kind), **kw)
+        write_trace(result, trace_path(trace_file, kind), **kw)
     except ReportError as e:
         log.warning("slackswap: %s; training goes on without the trace", e)
         return False
     return True
 
 
-__all__ = ["JobSummary", "KINDS", "StepReports", "at_exit", "measured_on", "say_agreed_plan", "say_own_plan", "say_summary",
-           "summary_path", "trace_path", "write_trace"]
+__all__ = ["JobSummary", "KINDS", "StepReports", "at_exit", "measured_on", "say_agreed_plan", "say_own_plan",
+           "say_stage_plan", "say_summary", "summary_path", "trace_path", "write_job_trace"]

@@ -23,7 +23,7 @@ from pathlib import Path
 from .errors import InvalidFileError
 from .files import read_json, write_atomically
 from .plan import PLAN_FORMAT, Plan
-from .profile import StepProfile
+from .step_profile import StepProfile
 
 FORMAT = "slackswap.planfile/1"
 
@@ -59,7 +59,7 @@ class MadeFor:
 
 
 @dataclass(frozen=True)
-class Entry:
+class PlanEntry:
     """A plan and what it was made for, with the profile it was made from: the job's measured step
     (files written before profiles were kept have none), so that `slackswap plan --plan-file`
     can plan that step again offline, with another planner or budget."""
@@ -73,7 +73,7 @@ class Entry:
                 **({"profile": self.profile.to_json()} if self.profile is not None else {})}
 
     @classmethod
-    def from_json(cls, d: dict, path: Path) -> "Entry":
+    def from_json(cls, d: dict, path: Path) -> "PlanEntry":
         if not isinstance(d, dict):
             raise InvalidFileError(f"malformed plan_file {str(path)!r}: an entry is not an object")
         made_for = MadeFor.from_json(d.get("made_for", {}))
@@ -84,7 +84,7 @@ class Entry:
         return cls(made_for, Plan.from_json(d.get("plan")), profile)
 
 
-def read(path: str | Path) -> list[Entry]:
+def read(path: str | Path) -> list[PlanEntry]:
     """Every entry of a plan file ([] if there is none); InvalidFileError if it is not one."""
     path = Path(path)
     if not path.exists():
@@ -99,10 +99,10 @@ def read(path: str | Path) -> list[Entry]:
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("plans"), list):
         raise InvalidFileError(f"{str(path)!r} is not a slackswap plan file (expected a JSON object with \"format\": "
                                f"\"{FORMAT}\" and a list of \"plans\"); delete it to plan afresh")
-    return [Entry.from_json(item, path) for item in data["plans"]]
+    return [PlanEntry.from_json(item, path) for item in data["plans"]]
 
 
-def find(entries: list[Entry], made_for: MadeFor) -> tuple[Entry | None, list[str]]:
+def find(entries: list[PlanEntry], made_for: MadeFor) -> tuple[PlanEntry | None, list[str]]:
     """The entry made for exactly `made_for`; else (None, why the entry for the same input shapes
     does not fit), or (None, []) when the file has no entry for these shapes yet."""
     for e in entries:
@@ -121,13 +121,13 @@ def writable(path: str | Path) -> bool:
     return os.access(path.parent if str(path.parent) else Path("."), os.W_OK)
 
 
-def write(path: str | Path, entries: list[Entry]) -> None:
+def write(path: str | Path, entries: list[PlanEntry]) -> None:
     """Write `entries` atomically, never through a link (files.write_atomically)."""
     path = Path(path)
     data = {"format": FORMAT, "plans": [e.to_json() for e in entries]}
     write_atomically(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
-def upsert(entries: list[Entry], entry: Entry) -> list[Entry]:
+def upsert(entries: list[PlanEntry], entry: PlanEntry) -> list[PlanEntry]:
     """`entries` with `entry` in place of any entry for the same input shapes."""
     return [e for e in entries if e.made_for.inputs != entry.made_for.inputs] + [entry]

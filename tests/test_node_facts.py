@@ -3,9 +3,9 @@
 
 import pytest
 
-from slackswap_ds.dist import RankFacts, shares_of, tightest
-from slackswap_ds.planners.common import Share, split_node, water_fill
 from slackswap_ds.hardware import load_node
+from slackswap_ds.node_facts import RankFacts, shares_of
+from slackswap_ds.shares import Share, split_node, tightest, water_fill
 
 from jobs import DEADLINES, MPIEXEC, ROOT, rank_rows
 

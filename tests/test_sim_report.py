@@ -9,8 +9,7 @@ import pytest
 
 from slackswap_ds.hardware import Hardware
 from slackswap_ds.plan import Decision, Plan, lower
-from slackswap_ds.profile import Activation, Op, StepProfile
-from slackswap_ds.report import (
+from slackswap_ds.sim_report import (
     BUDGET_COUNTER,
     MEMORY_COUNTER,
     ReportError,
@@ -20,6 +19,7 @@ from slackswap_ds.report import (
     write_trace,
 )
 from slackswap_ds.simulator import simulate
+from slackswap_ds.step_profile import Activation, Op, StepProfile
 
 # 1 GB/s each way, also when both directions run, and no per-copy latency: 1 MB copies take 1 ms.
 HW = Hardware(

@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 
 from .hardware import Hardware
-from .planners.common import Share, split_node
+from .shares import Share, split_node
 
 
 @dataclass(frozen=True)
@@ -98,13 +98,3 @@ def shares_of(facts: Sequence[RankFacts], hw: Hardware, uplink_bps: float,
         for r, s in zip(ranks, per_rank):
             shares[r] = s
     return shares
-
-
-def tightest(shares: Sequence[Share]) -> Share:
-    """The Share every rank can honour: the least link rate and pool of any (None = unlimited)."""
-    def least(values):
-        known = [v for v in values if v is not None]
-        return min(known) if known else None
-
-    return Share(least(s.d2h_bps for s in shares), least(s.h2d_bps for s in shares),
-                 least(s.host_pool_bytes for s in shares))

@@ -1,0 +1,218 @@
+"""Plans for a rank's input shapes: made from a measured profile, derived from another shape's, checked.
+
+The shape lifecycle (lifecycle.py) decides when; this module does it, with the plans service
+(PlanMaker, and through it the coordinator) and the shapes it keeps (ShapeCache):
+
+    from_profile   after a profiled step: the job's first plan is agreed by the coordinator's group
+                   (every rank of the job, or a pipeline stage's ranks); every later one is this
+                   rank's own, with its own share. No plan within the budget: the shapes run in
+                   the shelter (logged).
+    derived        a new shape's plan from a measured profile of other shapes (derive.py), on its
+                   very step, instead of a profiled step.
+    check_derived  after the first step under a derived plan: the derivation held, or its dims are
+                   fitted to the step and derived again, or the shapes are profiled next.
+
+Each records what it did as a lifecycle Transition in the step's `events`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .config import SlackSwapConfig
+from .errors import SlackSwapError
+from .job_report import say_agreed_plan, say_own_plan, say_stage_plan, write_job_trace
+from .logs import EVERY_RANK, SayOnce, log
+from .plan_maker import PlanMaker
+from .runtime.takeover import checkpointing_replaced
+from .shapes import ShapeCache, ShapeKey, ShapeState, Transition, describe, shapes_of
+from .step_profile import StepProfile
+
+
+Events = list  # a step's Transitions, in order
+
+
+class ShapePlans:
+    """The plans of one rank's input shapes (see the module docstring). `dims`: the model's
+    parameter dims (shapes.model_dims); `stage`: the pipeline stage (None: a data-parallel engine)."""
+
+    def __init__(self, cfg: SlackSwapConfig, plans: PlanMaker, dims: frozenset[int], device_type: str):
+        self.cfg, self.plans, self.dims, self.device_type = cfg, plans, dims, device_type
+        self.coordinator = plans.coordinator
+        self.cache = ShapeCache(cfg.max_shapes, cfg.replan)
+        self.profiled_steps = 0  # steps this rank profiled (its first included)
+        self.derived_plans = 0  # plans this rank derived for new shapes instead (derive.py)
+        self.say_once = SayOnce()
+
+    @property
+    def rank(self) -> int:
+        return self.coordinator.job_channel().rank
+
+    def forget(self) -> None:
+        """Every plan and measured profile dropped (the model's program changed)."""
+        self.cache = ShapeCache(self.cfg.max_shapes, self.cfg.replan)
+        self.coordinator.new_program()
+
+    # ---- measured -----------------------------------------------------------------------------------
+    def profiling(self, key: ShapeKey) -> None:
+        """A step of shapes `key` is profiled now: counted, and said (the job's first by one rank of
+        the coordinator's group; later ones by the rank whose shapes they are)."""
+        self.profiled_steps += 1
+        stage = self.coordinator.stage
+        what, step = ("a step", "step") if stage is None else ("a micro-batch", "batch")
+        if self.coordinator.shares is None:
+            if self.coordinator.leads_group():
+                log.info("slackswap: %sprofiling %s of input shapes %s (saved tensors go to host for this %s)",
+                         "" if stage is None else f"stage {stage} ", what, shapes_of(key), step,
+                         extra=None if stage is None else EVERY_RANK)
+        else:
+            log.info("slackswap %s: profiling %s of input shapes %s (saved tensors go to host for this %s; "
+                     "profiled steps %d, derived plans %d)", self.who(), what, shapes_of(key), step,
+                     self.profiled_steps, self.derived_plans, extra=EVERY_RANK)
+
+    # ---- from a profile ----------------------------------------------------------------------------------
+    def from_profile(self, key: ShapeKey, local: StepProfile, holds: int, events: Events) -> None:
+        """A plan for shapes `key` from their measured profile `local`, for `holds` micro-batches in
+        flight: the job's first, agreed by the coordinator's group; later ones, this rank's own."""
+        state = self.cache[key]
+        self.plans.holds = holds
+        self.cache.add_base(key, local, self.dims)
+        budget = self.plans.budget_for(holds * local.total_bytes)
+        if self.coordinator.shares is not None:  # agreed at the job's first plan: this rank plans alone
+            try:
+                agreed = self.plans.plan_locally(local, budget, key)
+            except SlackSwapError as e:
+                self._no_plan(key, state, e, events)
+                return
+            self.plans.install(state, agreed)
+            events.append(Transition.PLANNED_ALONE)
+            self._say_own(key, state, "planned from its profile")
+            self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
+            return
+        record = bool(self.cfg.trace_file and self.rank == 0 and self.coordinator.stage is None)
+        agreed = self.plans.agree(local, budget, key)
+        sim = self.plans.install(state, agreed, record=record)
+        events.append(Transition.AGREED)
+        self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
+        if agreed.ranks == 1 and self.coordinator.group_size() > 1:
+            self._say_own(key, state, "planned from its profile (the ranks' shapes differ)")
+        elif self.coordinator.stage is not None:
+            say_stage_plan(state, agreed, self.coordinator, self.plans.hw, holds, self.device_type)
+        else:
+            say_agreed_plan(state, agreed, self.coordinator, self.plans.hw, self.device_type)
+        if checkpointing_replaced():  # HF gradient_checkpointing ran inline: what it held, what the plan holds
+            self.plans.say_replaced_checkpointing(local, budget)
+        if record:  # the prediction now; the first measured step beside it (lifecycle.py)
+            state.executor.record = write_job_trace(sim, self.cfg.trace_file, "predicted",
+                                                    budget_bytes=agreed.plan.budget_bytes,
+                                                    title=f"slackswap plan {agreed.plan.digest[:12]} (predicted)")
+
+    def _no_plan(self, key: ShapeKey, state: ShapeState, error: Exception, events: Events) -> None:
+        """No plan for `key` on this rank: its steps run in the shelter (within the budget, slower)."""
+        state.shelter = True
+        events.append(Transition.NO_PLAN)
+        log.warning("slackswap %s: no plan for input shapes %s (%s: %s); their steps run in the shelter (every "
+                    "saved tensor to host: within the budget, slower)", self.who(), shapes_of(key),
+                    type(error).__name__, error, extra=EVERY_RANK)
+
+    # ---- derived --------------------------------------------------------------------------------------
+    def derived(self, key: ShapeKey, events: Events) -> bool:
+        """A plan for new shapes `key` derived from a measured profile of other shapes, installed, so
+        that their step runs under it instead of being profiled; whether there is one. The job's
+        first plan is always measured (and agreed)."""
+        base = self.cache.base_for(key) if self.cfg.derive_shapes else None
+        if base is None or self.coordinator.shares is None:
+            return False
+        base_key, deriver = base
+        derivation = deriver.derive(shapes_of(key))
+        if derivation.profile is None:
+            self.say_once(f"underivable {derivation.why}", logging.INFO, "slackswap: new input shapes are profiled, "
+                          "not derived from others' (%s)", derivation.why)
+            return False
+        if not self._install_derived(key, derivation.profile, base_key):
+            return False
+        self.derived_plans += 1
+        events.append(Transition.DERIVED)
+        self._say_own(key, self.cache[key], f"derived from the profile of {shapes_of(base_key)} (no profiled step; "
+                      f"profiled steps {self.profiled_steps}, derived plans {self.derived_plans})")
+        return True
+
+    def _install_derived(self, key: ShapeKey, profile: StepProfile, base_key: ShapeKey) -> bool:
+        state = self.cache[key]
+        budget = self.plans.budget_for(self.plans.holds * profile.total_bytes)
+        try:
+            agreed = self.plans.plan_locally(profile, budget, key, use_plan_file=False)
+        except SlackSwapError as e:
+            log.info("slackswap %s: no plan for input shapes %s from a derived profile (%s); profiling them",
+                     self.who(), shapes_of(key), e, extra=EVERY_RANK)
+            return False
+        self.plans.install(state, agreed)
+        state.derived_from, state.checked = base_key, False
+        return True
+
+    def check_derived(self, key: ShapeKey, state: ShapeState, peak: int, events: Events) -> bool:
+        """After the first step under a derived plan (`peak`: its device bytes of saved tensors):
+        whether it was what the derivation said (every saved tensor in it, at its derived size; the
+        peak within the budget). Where sizes differed, the dims are fitted to this step's
+        (derive.Deriver.learn) and the shapes derived again; where that cannot explain the step,
+        they are profiled on their next step. Logged."""
+        stats = state.executor.stats.last_step  # (sizes: every save of its last micro-batch)
+        unplanned = sum(1 for k in stats.sizes if k not in state.profile.by_key)
+        if not (stats.resized or unplanned or peak > state.plan.budget_bytes):
+            events.append(Transition.HELD)
+            self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
+            return True
+        deriver = self.cache.bases.get(state.derived_from)
+        if deriver is not None and not (unplanned or state.refitted) and stats.resized \
+                and not deriver.learn(shapes_of(key), stats.sizes):
+            again = deriver.derive(shapes_of(key)).profile
+            if again is not None and all(stats.sizes.get(a.key, (None, a.bytes))[1] == a.bytes
+                                         for a in again.activations):
+                if self._install_derived(key, again, state.derived_from):
+                    state.refitted = True
+                    events.append(Transition.REFITTED)
+                    log.info("slackswap %s: %d saved tensor(s) of input shapes %s had other sizes than derived "
+                             "(dims such as s - 1 or b * s): their dims are fitted to this step, the shapes derived "
+                             "again (plan %s)", self.who(), stats.resized, shapes_of(key), state.plan.digest[:12],
+                             extra=EVERY_RANK)
+                    return False
+        events.append(Transition.UNDERIVABLE)
+        log.warning("slackswap %s: the plan derived for input shapes %s did not fit their step (%d saved tensor(s) "
+                    "of another size than derived, %d not in the derived profile, peak %s B against a budget of %s "
+                    "B): these shapes are profiled on their next step", self.who(), shapes_of(key), stats.resized,
+                    unplanned, f"{peak:,}", f"{state.plan.budget_bytes:,}", extra=EVERY_RANK)
+        self.cache.drop(key)
+        self.cache.underivable.add(key)
+        return False
+
+    # ---- after a planned step ----------------------------------------------------------------------------
+    def after_planned_step(self, key: ShapeKey, number: int, peak: int, events: Events) -> None:
+        """Step `number` ran under the plan of shapes `key` (`peak`: its device bytes of saved
+        tensors): the first step under a derived plan checks it (check_derived); the first measured
+        step of a recorded plan is written beside its predicted trace; a re-plan its verification
+        made is followed (REPLANNED), and every `verify_every` steps the next step verifies again."""
+        state = self.cache[key]
+        if not state.checked:
+            state.checked = True
+            if state.derived_from is not None and not self.check_derived(key, state, peak, events):
+                return
+        timeline = state.executor.stats.last_timeline
+        if timeline is not None and state.executor.record:
+            state.executor.record = False  # one measured step is enough
+            write_job_trace(timeline, self.cfg.trace_file, "measured", budget_bytes=state.plan.budget_bytes,
+                            title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
+        if self.plans.after_step(state, number):
+            events.append(Transition.REPLANNED)
+
+    # ---- what the log says --------------------------------------------------------------------------------
+    def who(self) -> str:
+        """`rank r`, or `stage s rank r` under pipeline parallelism."""
+        stage = self.coordinator.stage
+        return f"rank {self.rank}" if stage is None else f"stage {stage} rank {self.rank}"
+
+    def _say_own(self, key: ShapeKey, state: ShapeState, how: str) -> None:
+        say_own_plan(self.who(), shapes_of(key), state, how, self.plans.holds if self.coordinator.stage is not None
+                     else None, self.device_type)
+
+
+__all__ = ["Events", "ShapePlans"]

@@ -1,0 +1,89 @@
+"""job_report.py in process: the periodic report of planned steps against their plan, the end-of-job
+summary (its data, its lines, its JSON file, once), and where traces and the summary go."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from slackswap_ds.config import load_config
+from slackswap_ds.hardware import load_hardware
+from slackswap_ds.job_report import JobSummary, StepReports, measured_on, summary_path, trace_path, write_job_trace
+from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.shapes import Prediction
+
+from conftest import two_region_profile
+
+
+def a_plan(budget: int = 40) -> Plan:
+    profile = two_region_profile()
+    return Plan.build(profile, {a.key: Decision.KEEP for a in profile.activations}, budget_bytes=budget,
+                      hardware_digest="hw", planner="slackswap")
+
+
+def reports(**section) -> StepReports:
+    cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4", **section}})
+    return StepReports(cfg, load_hardware(cfg.hardware), "cpu")
+
+
+def test_the_summary_counts_steps_by_kind_and_planned_steps_per_shape():
+    summary = JobSummary()
+    plan = a_plan()
+    summary.step("warm-up", None, 10, {})
+    summary.step("profiled", 0.5, 20, {"host pool exhausted: kept": 1})
+    summary.step("planned", 0.2, 30, {}, plan, "[(2, 8)]", 60, (8, 4))
+    summary.step("planned", 0.4, 50, {}, plan, "[(2, 8)]", 60, (8, 0))  # over its plan's 40 B
+    data = summary.data(profiled_steps=1, derived_plans=0)
+    assert data == {
+        "steps": {"warm-up": 1, "profiled": 1, "planned": 2, "shelter": 0}, "profiled_steps": 1, "derived_plans": 0,
+        "median_step_ms": {"profiled": 500.0, "planned": 300.0},
+        "peak_saved_bytes": {"warm-up": 10, "profiled": 20, "planned": 50},
+        "planned_steps_over_budget": 1, "fallbacks": {"host pool exhausted: kept": 1},
+        "shapes": [{"shapes": "[(2, 8)]", "steps": 2, "peak_bytes": 50, "swapped_bytes": 16, "recomputed_bytes": 4,
+                    "plan": plan.digest[:12], "planner": "slackswap", "budget_bytes": 40, "keep_all_bytes": 60,
+                    "swapped_bytes_per_step": 8, "recomputed_bytes_per_step": 2}]}
+
+
+def test_the_first_planned_step_is_reported_then_every_log_every(caplog):
+    report = reports(log_every=2)
+    plan, prediction = a_plan(), Prediction(0.9, 0.012, 35)
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        for peak in (30, 31, 32):
+            report.step(plan, prediction, peak, {}, "[(2, 8)]", 60)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2 and lines[0].startswith("slackswap: last 1 planned steps: ")
+    assert "predicts 12.0 ms for forward and backward on a100-80g-pcie4, with op times measured on this CPU" in lines[0]
+    assert lines[1].startswith("slackswap: last 2 planned steps: ") and "peak of saved activations 32 B" in lines[1]
+    assert "(predicted 35 B, budget 40 B)" in lines[1]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        report.step(plan, prediction, 30, {"host pool exhausted: kept": 2}, "[(2, 8)]", 60)
+        report.step(plan, prediction, 30, {}, "[(2, 8)]", 60)
+    assert [r.getMessage() for r in caplog.records] == [
+        "slackswap: in the last 2 steps, saved tensors not placed as planned: 2 x host pool exhausted: kept"]
+
+
+def test_the_summary_is_said_and_written_once(tmp_path, caplog):
+    path = tmp_path / "summary.json"
+    report = reports(summary_file=str(path))
+    assert report.end_of_job() is None and not path.exists()  # no step ran
+    report.unplanned("warm-up", 10, {})
+    report.step(a_plan(), Prediction(0.9, 0.012, 35), 30, {}, "[(2, 8)]", 60, (8, 4))
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        data = report.end_of_job(profiled_steps=1, derived_plans=0)
+    assert json.loads(path.read_text()) == data and report.end_of_job() is None
+    text = caplog.text
+    assert "slackswap summary: 2 steps (1 warm-up, 1 planned; 0 plan(s) derived" in text
+    assert "every planned step within its plan's budget" in text and f"written to {path}" in text
+
+
+def test_traces_and_the_summary_go_beside_the_trace_file_and_a_failed_write_is_a_warning(tmp_path, caplog):
+    assert trace_path("run/t.json", "measured") == "run/t.json"
+    assert trace_path("run/t.json", "predicted") == trace_path("run/t", "predicted") == "run/t.predicted.json"
+    trace = tmp_path / "t.json"
+    assert summary_path(load_config({"slackswap": {"trace_file": str(trace)}})) == str(tmp_path / "t.summary.json")
+    assert summary_path(load_config({"slackswap": {}})) is None
+    assert measured_on("cuda") == "" and measured_on("cpu") == ", with op times measured on this CPU"
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        assert not write_job_trace(object(), str(tmp_path / "missing" / "t.json"), "measured")
+    assert "training goes on without the trace" in caplog.text

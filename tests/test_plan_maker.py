@@ -1,0 +1,101 @@
+"""plan_maker.py in process, on the two-region toy step (conftest.two_region_profile: keep-all 60 B)
+and toy hardware: a plan within the budget from the configured planner, else from the fastest
+fallback, else an error with every reason; budgets in bytes; what plans may do under ZeRO-3; a plan
+fitted to a device without streams; installed and re-planned."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from slackswap_ds.config import load_config
+from slackswap_ds.coordination import Coordinator
+from slackswap_ds.errors import BudgetInfeasibleError
+from slackswap_ds.plan import Decision
+from slackswap_ds.plan_maker import FALLBACK_PLANNERS, PlanMaker, fate_bytes
+from slackswap_ds.shapes import ShapeState
+from slackswap_ds.shares import PRIVATE
+
+from conftest import toy_hardware, two_region_profile
+
+KEY = (((2, 8), "torch.int64"),)
+
+
+def maker(**section) -> PlanMaker:
+    cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4", **section}})
+    hw = toy_hardware()
+    return PlanMaker(cfg, hw, torch.nn.Linear(1, 1), Coordinator(cfg, hw))
+
+
+def test_the_configured_planners_plan_when_it_has_one():
+    planned = maker().within_budget(two_region_profile(), 40, "slackswap", PRIVATE)
+    assert planned.plan.planner == "slackswap" and planned.peak_bytes <= 40
+
+
+def test_without_one_the_fastest_fallback_within_the_budget_is_used_and_said(caplog):
+    """keep-all cannot keep 40 B; of the fallbacks, full-recompute (16 s) is faster than offload-all
+    (20 s) on the toy link; at 30 B only offload-all fits (the heuristic planner finds nothing)."""
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        planned = maker().within_budget(two_region_profile(), 40, "keep-all", PRIVATE)
+    assert planned.plan.planner == "full-recompute" and planned.result.step_s == 16.0
+    assert "planner keep-all found no plan within 40 B (keep-all: its plan peaks at 60 B" in caplog.text
+    assert "using full-recompute instead (simulated step 16000.00 ms)" in caplog.text
+    assert maker().within_budget(two_region_profile(), 30, "slackswap", PRIVATE).plan.planner == "offload-all"
+    assert FALLBACK_PLANNERS == ("offload-all", "full-recompute")
+
+
+def test_no_plan_anywhere_is_one_error_with_every_reason():
+    with pytest.raises(BudgetInfeasibleError) as raised:
+        maker().within_budget(two_region_profile(), 5, "keep-all", PRIVATE)
+    message = str(raised.value)
+    assert message.startswith("no planner keeps this step's saved activations within 5 B (activation_budget 0.5): ")
+    for reason in ("keep-all: its plan peaks at 60 B", "offload-all: offload-all peaks at 30 B",
+                   "full-recompute: its plan peaks at 40 B"):
+        assert reason in message
+    assert message.endswith("Raise activation_budget or host_pool_bytes_per_node")
+
+
+def test_budgets_in_bytes_and_a_size_above_the_device_said_once(caplog):
+    assert maker().budget_for(60) == 30 and maker(activation_budget=0.8).budget_for(60) == 48
+    big = maker(activation_budget="4GiB")  # the toy device has 1 GB
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        assert big.budget_for(60) == big.budget_for(600) == 4 << 30
+    assert caplog.text.count("is more than the device's memory (1,000,000,000 B, toy)") == 1
+
+
+def test_under_zero3_plans_may_not_recompute():
+    profile = two_region_profile()
+    plans = maker()
+    assert plans.plannable(profile) is profile
+    plans.recompute = False
+    assert [a.recomputable for a in plans.plannable(profile).activations] == [False] * 4
+    assert plans.plannable(plans.plannable(profile)) == plans.plannable(profile)
+
+
+def test_a_plan_is_agreed_alone_installed_and_describes_its_bytes():
+    plans = maker()
+    profile = two_region_profile()
+    agreed = plans.agree(profile, 40, KEY)  # one rank: the node facts and the agreement are its own
+    assert agreed.ranks == 1 and plans.coordinator.shares.own == plans.coordinator.shares.plan
+    state = ShapeState()
+    plans.install(state, agreed)
+    assert state.plan is agreed.plan and state.executor.plan is agreed.plan and plans.pool is not None
+    assert state.prediction.peak_bytes <= 40 and 0 < state.prediction.throughput <= 1
+    split = agreed.plan.bytes_by_decision(profile)
+    assert fate_bytes(agreed.plan, profile) == (f"keep {split[Decision.KEEP]:,} B, swap {split[Decision.SWAP]:,} B, "
+                                                f"recompute {split[Decision.RECOMPUTE]:,} B")
+    assert sum(split.values()) == 60
+    assert not plans.follow(state)  # nothing was re-planned: the state describes what runs
+    assert not plans.after_step(state, 1)
+
+
+def test_a_replan_after_a_demotion_never_recomputes_what_failed():
+    plans = maker(planner="full-recompute")
+    profile = two_region_profile()
+    plans.agree(profile, 40, KEY)
+    plan = plans.within_budget(profile, 40, "full-recompute").plan
+    pinned, again = plans.replan(profile, plan, {"r0:y": "differs"})
+    assert not pinned.by_key["r0:y"].recomputable and again.decision["r0:y"] is not Decision.RECOMPUTE
+    assert plan.decision["r0:y"] is Decision.RECOMPUTE
