@@ -159,7 +159,7 @@ def test_budget_normalised(given, stored, fraction):
 
 
 @pytest.mark.parametrize("budget, peak, expected", [
-    (0.5, 15_957_032_960, 7_978_516_480),   # README's BERT-Large row
+    (0.5, 15_957_032_960, 7_978_516_480),   # docs/simulator.md's BERT-Large row
     (0.5, 101, 50),                           # truncates, as planners.resolve_budget
     (1, 1000, 1000),
     (0.3, 10, 3),

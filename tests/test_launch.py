@@ -82,7 +82,7 @@ def test_mpirun_wrapper_matches_the_deepspeed_launcher(tmp_path, reference_losse
 @pytest.mark.slow  # (suite time: the mpirun wrapper above launches MPICH's Hydra the same way)
 @sharing("reference_losses")
 def test_deepspeed_mpich_launcher_on_loopback(tmp_path, reference_losses):
-    """The README's `deepspeed --launcher mpich --hostfile launch/hostfile.localhost ...` command."""
+    """The `deepspeed --launcher mpich --hostfile launch/hostfile.localhost ...` command of docs/multi_node.md."""
     if mpi_flavor() != "mpich" or shutil.which("mpirun") is None:
         pytest.skip("DeepSpeed's MPICH launcher needs MPICH's mpirun on PATH")
     losses_file = tmp_path / "mpich.json"
@@ -203,8 +203,8 @@ def test_sbatch_builds_the_srun_deepspeed_and_mpirun_commands(tmp_path):
 
 def test_the_readme_opens_with_its_two_commands_and_ci_runs_the_second():
     """The README's first code block is the two commands for a fresh machine (the main job on CPU,
-    then the tests); `.ci/run` runs the second; then come the contents, the quickstart and the
-    glossary the README promises."""
+    then the tests); `.ci/run` runs the second; then come what it does, the quickstarts, which budget
+    to choose, the config reference and the status, with the way on to docs/ and the changelog."""
     readme = (ROOT / "README.md").read_text()
     first = readme.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
     assert len(first) == 2 and "launch/train.py --deepspeed_config configs/slackswap.json" in first[0]
@@ -212,5 +212,8 @@ def test_the_readme_opens_with_its_two_commands_and_ci_runs_the_second():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "python -m pip install -q -c configs/constraints-cpu.txt -e '.[test]' && python -m pytest" in ci
     headings = [line for line in readme.splitlines() if line.startswith("## ")]
-    assert headings[:3] == ["## Contents", "## Quickstart", "## Using it without changing your script"]
-    assert "## Glossary" in headings and headings.index("## Glossary") < headings.index("## Status")
+    assert headings[:3] == ["## What it does", "## Quickstart", "## Which budget to choose"]
+    subheadings = [line for line in readme.splitlines() if line.startswith("### ")]
+    assert subheadings[:3] == ["### A plain DeepSpeed script", "### Hugging Face Trainer", "### Accelerate"]
+    config = headings.index("## The `slackswap` config section")
+    assert config < headings.index("## Status") and "](docs/index.md)" in readme and "](CHANGELOG.md)" in readme

@@ -1,8 +1,9 @@
-"""The README's claims that a test can check without running a job: every `slackswap` command it
-shows parses and names presets and planners that exist, every option it mentions is one, every file it points to is there, every
-JSON config it shows loads, every Python block compiles, every environment variable it names is
-read by the package. (Its first screen: tests/test_launch.py; its simulated table:
-tests/test_cli.py; its config table: tests/test_config.py.)"""
+"""The claims of the README and of the pages in docs/ that a test can check without running a job:
+every `slackswap` command they show parses and names presets and planners that exist, every option
+they mention is one, every file they point to is there, every JSON config they show loads, every
+Python block compiles, every environment variable they name is read by the package. (The README's
+first screen: tests/test_launch.py; the simulated table in docs/simulator.md: tests/test_cli.py; the
+README's config table: tests/test_config.py; links between the pages: tests/test_docs.py.)"""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from slackswap_ds.planners import PLANNERS
 from slackswap_ds.workloads import workload_names
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+# the README and every page of docs/, read as one text (the README's topics moved there)
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+README = "\n".join(page.read_text() for page in PAGES)
 BLOCKS = re.findall(r"```(\w*)\n(.*?)```", README, re.S)
 
 
