@@ -136,7 +136,7 @@ class SlackSwapConfig(BaseModel):
     verify_every: int = Field(
         100,
         ge=0,
-        description="Every this many training steps, the next step checks the plan's recomputes again as the first planned step does (its recomputed tensors compared bit for bit with forward's, kept on host for that step): a layer that starts reading state which changes between its forward and its backward is demoted then, not never. Between two checks such a layer gives wrong gradients, as under torch.utils.checkpoint: layers must replay exactly (README, \"The replay contract\"). 0: only the first planned step checks.",
+        description="Every this many training steps, the next step checks the plan's recomputes again as the first planned step does (its recomputed tensors compared bit for bit with forward's, kept on host for that step): a layer that starts reading state which changes between its forward and its backward is demoted then, not never. Between two checks such a layer gives wrong gradients, as under torch.utils.checkpoint: layers must replay exactly (docs/runtime.md, \"The replay contract\"). 0: only the first planned step checks.",
         json_schema_extra=_doc("integer >= 0", 100),
     )
     pad_to_multiple: int | None = Field(
