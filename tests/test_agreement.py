@@ -36,6 +36,7 @@ def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():
         assert r["seconds"] < 5 + 5 + 10  # the deadline, plus the verdict's own, plus slack
 
 
+@pytest.mark.slow  # (suite time: the engine-level case, test_faults' a_rank_stopped_at_agreement, runs in the suite)
 def test_a_stuck_rank_is_named_within_the_timeout():
     rows = run_ranks("stuck1", timeout_s=5)
     for r in (rows[0], rows[2], rows[3]):
@@ -44,6 +45,7 @@ def test_a_stuck_rank_is_named_within_the_timeout():
     assert "rank 1" in rows[1]["error"]  # when it wakes, its partners are gone: an error, not a hang
 
 
+@pytest.mark.slow  # (suite time: the engine-level case, test_faults' a_rank_dead_before_the_node_facts, runs in the suite)
 def test_a_rank_gone_before_the_node_facts_exchange_is_named():
     rows = run_ranks("coordinate-exit3", timeout_s=5)
     for r in rows[:3]:

@@ -212,6 +212,7 @@ def test_gpu_validate_dry_run_exercises_its_code_on_cpu(capsys):
     assert "FAILED" not in out and "slackswap @0.5" in out and "throughput ratio" in out
 
 
+@pytest.mark.slow  # (suite time: about 15 s)
 def test_overhead_cpu_prints_the_comparison(capsys):
     pytest.importorskip("transformers")
     from benchmarks import overhead_cpu
@@ -235,6 +236,7 @@ def test_overhead_cpu_prints_the_comparison(capsys):
     assert target.group(1) == ("met" if ours <= sac else "NOT met") or ours == sac  # (equal when printed)
 
 
+@pytest.mark.slow  # (suite time: about 12 s)
 def test_fidelity_prints_every_row_with_its_ratio(tmp_path, capsys):
     from benchmarks import fidelity
 
@@ -278,6 +280,7 @@ def test_compiled_sweep_prints_a_row_per_model_and_backend(capsys):
         compiled_sweep.main(["--models", "no-such-model"])
 
 
+@pytest.mark.slow  # (suite time: about 8 s)
 def test_compiled_side_by_side_prints_every_row(capsys):
     """benchmarks/compiled_side_by_side.py, tiny: every row printed; SlackSwap's rows exact and within
     the budget's share of the compiled keep-all."""

@@ -37,6 +37,7 @@ def test_replicas_agree_on_one_plan_and_train_exactly():
     assert all(r["exact"] for r in rows)
 
 
+@pytest.mark.slow  # (suite time: the store's case, test_agreement's, runs in the suite)
 def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():
     rows = mpirun("exit", "5")
     assert rows[1].get("exited")
@@ -44,6 +45,7 @@ def test_a_rank_that_exits_before_agreement_is_named_within_the_timeout():
         assert "ranks [1] did not report within sync_timeout_s=5" in r["error"]
 
 
+@pytest.mark.slow  # (suite time: MPI's engine-level case, test_faults' a_rank_stopped_at_agreement[mpi], runs in the suite)
 def test_a_stuck_rank_is_named_within_the_timeout():
     rows = mpirun("stuck", "5")
     for r in (rows[0], rows[2], rows[3]):

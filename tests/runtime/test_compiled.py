@@ -384,6 +384,7 @@ def test_a_block_recompiled_while_slackswap_hooks_are_active_is_traced_without_t
     assert not _debug_get_cache_entry_list(Executor._unpack.__code__)
 
 
+@pytest.mark.slow  # (suite time: tests/runtime/test_loops.py soaks a plan that recomputes in the suite)
 def test_soak_200_steps_of_a_compiled_model_under_a_plan_that_recomputes_and_swaps_leaves_memory_flat():
     """GPT-2 compiled whole (SlackSwap compiles its blocks), a random plan that swaps and recomputes
     inside the compiled blocks: after 200 steps the live tensors, the process's RSS and Dynamo's
