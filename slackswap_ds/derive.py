@@ -22,8 +22,9 @@ base never did, the shape is profiled after all.
 
 Refused, with the reason, where a substitution could be wrong: inputs that differ in number or
 rank, a dim that changes in one place and not another, a changed dim of 1 (every keepdim
-reduction has one), or one equal to a dim of the model's parameters (a hidden size of 64 and a
-sequence of 64 cannot be told apart in a saved tensor's shape). Torch-free.
+reduction has one), one equal to a dim of the model's parameters (a hidden size of 64 and a
+sequence of 64 cannot be told apart in a saved tensor's shape), or a fitted dim that would fall below
+1 on the new inputs (s - 8 at a shorter sequence than 9). Torch-free.
 """
 
 from __future__ import annotations
@@ -94,11 +95,20 @@ class Deriver:
             return Derivation(None, changes)
         if any(a.shape is None for a in self.base.activations):
             return Derivation(None, "the profile has no tensor shapes (not measured by this version)")
+        if any(o.compiled for o in self.base.ops):
+            # Dynamo may compile another graph for other shapes (dynamic after the second), whose
+            # saves come in another order: the keys of a derived plan would name other tensors
+            return Derivation(None, "the model runs compiled code, whose saved tensors change with its graph")
+        unchanged = {d for shape in self.old for d in shape if d > 1} - set(changes)
         acts, ratio_at = [], {}
         for a in self.base.activations:
-            shape = self.shape_of(a.key, a.shape, changes)
+            shape = self.shape_of(a.key, a.shape, changes, unchanged)
+            if any(d < 1 and d != d0 for d, d0 in zip(shape, a.shape)):  # a fitted a * n + k below its range
+                return Derivation(None, f"saved tensor {a.key} would have shape {shape} on these inputs "
+                                        f"(its dims were fitted on others)")
             ratio = _ratio(a.shape, shape)
-            acts.append(replace(a, shape=shape, bytes=math.ceil(a.bytes * ratio)))
+            before = math.prod(a.shape)  # (in integers: a float ratio rounds 504 bytes up to 505)
+            acts.append(replace(a, shape=shape, bytes=-(-a.bytes * math.prod(shape) // before) if before else a.bytes))
             ratio_at[a.saved_at] = max(ratio_at.get(a.saved_at, 0.0), ratio)
         biggest = max(self.old, key=math.prod, default=())
         tokens = _ratio(biggest, [changes.get(d, d) for d in biggest])
@@ -109,13 +119,25 @@ class Deriver:
                     inputs=" -> ".join(_dims(s) for s in (self.old, new)))
         return Derivation(StepProfile(self.base.name, ops, tuple(acts), tuple(meta.items())))
 
-    def shape_of(self, key: str, shape: tuple[int, ...], changes: dict[int, int]) -> tuple[int, ...]:
-        """Activation `key` (of `shape` in the base) on inputs whose dims changed as `changes`."""
+    def shape_of(self, key: str, shape: tuple[int, ...], changes: dict[int, int],
+                 unchanged: set[int] = frozenset()) -> tuple[int, ...]:
+        """Activation `key` (of `shape` in the base) on inputs whose dims changed as `changes` (the
+        other input dims: `unchanged`): a dim that fitted a rule on an earlier step follows it;
+        else a changed input dim becomes its new value, and a product of one with an unchanged input
+        dim (a flattened batch x sequence) scales with it; other dims stay."""
         rules = self.rules.get(key)
         if rules is None:
-            return tuple(changes.get(d, d) for d in shape)
+            return tuple(changes.get(d, self._product(d, changes, unchanged)) for d in shape)
         return tuple(d if rule is None or rule[0] not in changes else rule[1] * changes[rule[0]] + rule[2]
                      for d, rule in zip(shape, rules))
+
+    def _product(self, d: int, changes: dict[int, int], unchanged: set[int]) -> int:
+        """`d` as changed input dim o times unchanged input dim u (n * u), where exactly one such
+        pair makes it and it is no dim of the model's parameters; else `d`."""
+        if d in self.model_dims:
+            return d
+        found = {n * (d // o) for o, n in changes.items() if d % o == 0 and d // o in unchanged}
+        return found.pop() if len(found) == 1 else d
 
     def learn(self, new: Shapes, measured: dict[str, tuple[tuple[int, ...], int]]) -> list[str]:
         """Fit the dims of the saved tensors that a step on inputs of shapes `new` measured

@@ -18,8 +18,10 @@ Each records what it did as a lifecycle Transition in the step's `events`.
 from __future__ import annotations
 
 import logging
+import re
 
 from .config import SlackSwapConfig
+from .derive import Derivation
 from .errors import SlackSwapError
 from .job_report import say_agreed_plan, say_own_plan, say_stage_plan, write_job_trace
 from .logs import EVERY_RANK, SayOnce, log
@@ -124,9 +126,13 @@ class ShapePlans:
         if base is None or self.coordinator.shares is None:
             return False
         base_key, deriver = base
-        derivation = deriver.derive(shapes_of(key))
+        try:
+            derivation = deriver.derive(shapes_of(key))
+        except SlackSwapError as e:  # a derivation that cannot hold: these shapes are profiled, never a raise
+            derivation = Derivation(None, f"{type(e).__name__}: {e}")
         if derivation.profile is None:
-            self.say_once(f"underivable {derivation.why}", logging.INFO, "slackswap: new input shapes are profiled, "
+            self.say_once("underivable " + re.sub(r"\d+", "N", derivation.why), logging.INFO,
+                          "slackswap: new input shapes are profiled, "
                           "not derived from others' (%s)", derivation.why)
             return False
         if not self._install_derived(key, derivation.profile, base_key):

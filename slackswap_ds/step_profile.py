@@ -37,14 +37,22 @@ from .files import read_json
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=[.:]|$)")
 
 
+COMPILED = "compiled"  # the name of a compiled call's one opaque op (runtime/tracing.py)
+
+
 @dataclass(frozen=True)
 class Op:
-    """One forward operation; `key` is stable across steps and ranks (e.g. ``layers.3.mlp:2:gelu``)."""
+    """One forward operation; `key` is stable across steps and ranks (e.g. ``layers.3.mlp:2:gelu``;
+    a compiled layer's call is one opaque op named COMPILED: ``layers.3:0:compiled``)."""
 
     key: str
     fwd_s: float
     bwd_s: float
     region: str
+
+    @property
+    def compiled(self) -> bool:
+        return self.key.endswith(":" + COMPILED)
 
     def __post_init__(self) -> None:
         # floats always, so that the canonical JSON (and the digest) of 1 and 1.0 agree

@@ -3,6 +3,8 @@
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from slackswap_ds.derive import Deriver, derive, derived, input_dims
 from slackswap_ds.step_profile import Activation, Op, StepProfile
@@ -83,3 +85,57 @@ def test_shapes_survive_json_and_enter_the_structure_digest():
     assert again == p and again.structure_digest == p.structure_digest
     assert profile(shapes=False).structure_digest != p.structure_digest
     assert "shape" not in profile(shapes=False).to_json()["activations"][0]  # modelled profiles: JSON unchanged
+
+
+def test_a_flattened_batch_times_sequence_scales_with_the_sequence():
+    """A Linear on (b, s, h) inputs saves them as (b * s, h): 2 x 31 = 62 becomes 2 x 40 = 80, found
+    as the one product of a changed input dim and an unchanged one; a product that is also a dim of
+    the model's parameters stays (it cannot be told apart)."""
+    flat = StepProfile("toy", (Op("l0:0:mm", 1e-3, 1e-3, "l0"),),
+                       (Activation("l0:0:view", B * S * H * 4, (0,), (), (), (B * S, H)),), (("source", "measured"),))
+    assert derive(flat, INPUTS, [(B, 40), (B, 40)]).profile.activations[0].shape == (B * 40, H)
+    assert derive(flat, INPUTS, [(B, 40), (B, 40)], frozenset({B * S})).profile.activations[0].shape == (B * S, H)
+
+
+def test_a_fitted_dim_below_one_on_shorter_inputs_means_profile_them_not_a_raise():
+    """A dim fitted as s - 20 (from 31 and 40) would be negative at s = 12: no derivation, and why."""
+    base = StepProfile("toy", (Op("l0:0:mm", 1e-3, 1e-3, "l0"),),
+                       (Activation("l0:0:cut", (S - 20) * 4, (0,), (), (), (S - 20,)),), (("source", "measured"),))
+    deriver = Deriver(base, [(S,)])
+    assert deriver.learn([(40,)], {"l0:0:cut": ((20,), 80)}) == []  # fitted: 1 * s - 20
+    assert deriver.derive([(50,)]).profile.activations[0].shape == (30,)
+    why = deriver.derive([(12,)])
+    assert why.profile is None and "l0:0:cut would have shape (-8,)" in why.why
+
+
+def test_a_profile_with_compiled_code_is_not_derived():
+    """Dynamo may compile another graph for other shapes, saving in another order: keys would name
+    other tensors, so such a profile is profiled again, not derived."""
+    compiled = StepProfile("toy", (Op("l0:0:compiled", 1e-3, 1e-3, "l0"),),
+                           (Activation("l0:0:input", B * S * H * 4, (0,), (), (), (B, S, H)),), (("source", "measured"),))
+    why = derive(compiled, INPUTS, [(B, 40), (B, 40)])
+    assert why.profile is None and "compiled code" in why.why and compiled.ops[0].compiled
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(2, 200), min_size=2, max_size=8),
+       st.lists(st.tuples(st.integers(1, 3), st.integers(-40, 40)), min_size=1, max_size=3))
+def test_any_sequence_of_lengths_derives_or_says_why_and_never_raises(lengths, fits):
+    """Random lengths over a profile with dims a * s + k (fitted, as `learn` does from a measured
+    step): each derivation is a profile whose every dim is at least 1 and whose bytes follow its
+    shape, or None with a reason."""
+    base_s = lengths[0]
+    dims = [a * base_s + k for a, k in fits]
+    if any(d < 1 for d in dims):
+        return
+    acts = tuple(Activation(f"l0:{i}:x", d * 4, (0,), (), (), (d,)) for i, d in enumerate(dims))
+    deriver = Deriver(StepProfile("toy", (Op("l0:0:mm", 1e-3, 1e-3, "l0"),), acts, (("source", "measured"),)),
+                      [(base_s,)])
+    deriver.rules = {f"l0:{i}:x": ((base_s, a, k),) for i, (a, k) in enumerate(fits)}
+    for s in lengths[1:]:
+        got = deriver.derive([(s,)])
+        if got.profile is None:
+            assert got.why
+            continue
+        for act, (a, k) in zip(got.profile.activations, fits):
+            assert act.shape == ((a * s + k),) and act.shape[0] >= 1 and act.bytes == 4 * act.shape[0]

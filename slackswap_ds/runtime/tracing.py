@@ -34,6 +34,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..logs import log
+from ..step_profile import COMPILED
 from .aten import RuntimeMode, by_value, is_compute, mutated_args, tensors_in
 from .flat import flatten
 from .naming import op_key
@@ -185,7 +186,7 @@ class StepTracer(RuntimeMode):
         region = self.region()
         local = self._counts.get(region, 0)
         self._counts[region] = local + 1
-        op = TracedOp(len(self.ops), region, local, "compiled", opaque=True)
+        op = TracedOp(len(self.ops), region, local, COMPILED, opaque=True)
         inputs = [t for t in tensors_in(args, kwargs) if not t.is_meta]
         op.reads = [self._sid_of(t) for t in inputs]
         self.ops.append(op)
