@@ -36,6 +36,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-blocks", metavar="BACKEND",
                     help="torch.compile each transformer block with BACKEND (inductor, aot_eager), as torchtitan "
                          "does; SlackSwap keeps, swaps or runs again each block's compiled call")
+    ap.add_argument("--rdrop", action="store_true",
+                    help="R-Drop's loss: two training forwards of each batch (dropout differs), one backward of "
+                         "both losses plus the mean squared distance of their logits")
     ap.add_argument("--compile-model", metavar="BACKEND",
                     help="engine.compile(backend=BACKEND) after initialize: the whole model compiled; SlackSwap "
                          "compiles each block on its own instead (said in the log)")
@@ -100,10 +103,14 @@ def main(argv=None) -> int:
         ids = torch.randint(1, args.vocab, (batch, args.seq), generator=data).to(engine.device)
         t0 = time.perf_counter()
         out = engine(input_ids=ids, labels=ids, use_cache=False)
-        engine.backward(out.loss)
+        loss = out.loss
+        if args.rdrop:  # (two forwards before one backward: SlackSwap profiles and plans them as one step)
+            other = engine(input_ids=ids, labels=ids, use_cache=False)
+            loss = loss + other.loss + torch.nn.functional.mse_loss(out.logits, other.logits)
+        engine.backward(loss)
         engine.step()
         dt = time.perf_counter() - t0
-        losses.append(out.loss.item())
+        losses.append(loss.item())
         if rank == 0:
             act = ""
             if runtime is not None and runtime.last_stats is not None and runtime.active_plan is not None:

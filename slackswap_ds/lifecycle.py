@@ -20,8 +20,10 @@ shapes' plan, a ProfileSession, or the shelter (every saved tensor to host: with
       new under replan "never")
 
 and at any step: a forward without backward ends its step at the next forward (ABANDONED); a second
-forward joins a profiled step, whose shapes are then profiled again as one step of two forwards
-(TWO_FORWARDS); micro-batches still open when a stage's step ends are closed (UNFINISHED); a model
+forward of the same shapes joins a step, a profiled one too (TWO_FORWARDS: R-Drop and contrastive
+losses are profiled and planned as one step of two forwards), but a profile with a forward whose
+saves backward never read is dropped and its shapes profiled again (PROFILED_AGAIN); micro-batches
+still open when a stage's step ends are closed (UNFINISHED); a model
 compiled after the first step drops every plan and warms up again (COMPILED_ANEW); a replay that
 fails in backward raises, its plan demoted already (REPLAY_FAILED); an error while the job's first
 plan is made stops the job on every rank (GAVE_UP). `events` lists the last step's transitions.
@@ -165,7 +167,7 @@ class ShapeLifecycle:
     def forward(self, key: ShapeKey) -> None:
         """A training forward of input shapes `key` begins: a step of its own, unless it joins the
         open one (a second forward before backward)."""
-        if self.step is not None and not self._end_if_abandoned():
+        if self.step is not None and not self._end_if_abandoned(key):
             return
         self.begin_step()
         runner = self._runner(key, None)
@@ -189,26 +191,26 @@ class ShapeLifecycle:
         self._finished(step, runner)
         self.end_step(error)
 
-    def _end_if_abandoned(self) -> bool:
+    def _end_if_abandoned(self, key: ShapeKey) -> bool:
         """If the open step's forward had no backward (its graph let go: "skip this batch"), end it
-        here, so that the forward now starts a step of its own; whether it ended. A profiled step
-        cannot tell (the tracer keeps its graph's nodes): its first second forward ends it
-        unprofiled and its shapes are profiled again; if they see a second forward again, their
-        step has two (R-Drop), profiled as one."""
+        here, so that the forward now (of shapes `key`) starts a step of its own; whether it ended.
+        A profiled step cannot tell (the tracer keeps its graph's nodes alive): a forward of the same
+        shapes joins it (R-Drop, contrastive losses: the profile sees every forward of the step) and
+        the profile is dropped after its backward if one of its forwards had none (end_step); a
+        forward of other shapes ends it unprofiled."""
         step = self.step
         runner = step.open.get(None)
         if isinstance(runner, ProfileSession):
-            state = self.shapes.get(step.profiling[1])
-            if state is None or state.two_forwards:
+            if key == step.profiling[1]:
+                runner.another_forward()
+                step.note(Transition.TWO_FORWARDS)
                 return False
-            state.two_forwards = True
-            step.note(Transition.TWO_FORWARDS)
         elif runner is None or not runner.abandoned():
             return False
         step.note(Transition.ABANDONED)
         self.say_once("abandoned", logging.INFO, "slackswap: a training forward had no backward (its graph was let "
-                      "go, or another forward joins it): its step ended there, and the next forward is a step of its "
-                      "own%s", " (the step was being profiled: these shapes are profiled again)"
+                      "go, or a forward of other shapes came): its step ended there, and the next forward is a step "
+                      "of its own%s", " (the step was being profiled: these shapes are profiled again)"
                       if isinstance(runner, ProfileSession) else "")
         del step.open[None]
         runner.__exit__(None, None, None)
@@ -276,6 +278,8 @@ class ShapeLifecycle:
         if step.planned is None:  # (a planned step is reported against its plan: _planned_step_done)
             kind = "warm-up" if step.warm_up else "profiled" if step.profiling is not None else "shelter"
             self.reports.unplanned(kind, step.peak, step.fallbacks)
+        if step.profiling is not None and self._profile_dropped(step):
+            return
         if step.profiling is not None:
             session, key = step.profiling
             try:
@@ -293,6 +297,22 @@ class ShapeLifecycle:
                      "%s B", self._stage_said(), self.cfg.profile_steps, f"{self.shelter_peak:,}",
                      extra=self._extra())
 
+    def _profile_dropped(self, step: Step) -> bool:
+        """A profiled step of several forwards in which one had no backward (its saves never read:
+        a batch skipped, then the next one): its profile would plan for a forward that steps do not
+        have, so its shapes are profiled again (twice at most: a loop that always leaves one forward
+        unread has it in its steps, and the profile plans for it)."""
+        session, key = step.profiling
+        state = self.shapes.get(key)
+        if state is None or not session.unread_forwards() or state.profiles_dropped >= 2:
+            return False
+        state.profiles_dropped += 1
+        step.note(Transition.PROFILED_AGAIN)
+        self.say_once("profiled again", logging.INFO, "slackswap: a profiled step had a forward without backward "
+                      "(%d of its %d forwards): its shapes are profiled again", len(session.unread_forwards()),
+                      len(session.forwards))
+        return True
+
     def _planned_step_done(self, step: Step) -> None:
         key = step.planned
         state = self.shapes[key]
@@ -303,7 +323,8 @@ class ShapeLifecycle:
         self.active_plan = state.plan
         self.reports.step(state.plan, state.prediction, step.peak, step.fallbacks, str(shapes_of(key)),
                           self.holds * state.profile.total_bytes, step.moved)
-        self.shape_plans.after_planned_step(key, step.number, step.peak, step.events)
+        unplanned = sum(stats.unplanned for stats in step.finished)
+        self.shape_plans.after_planned_step(key, step.number, step.peak, unplanned, step.events)
 
     # ---- runners -----------------------------------------------------------------------------------------
     def _runner(self, key: ShapeKey, tag: Hashable) -> Runner:

@@ -17,6 +17,7 @@ Each records what it did as a lifecycle Transition in the step's `events`.
 
 from __future__ import annotations
 
+import collections
 import logging
 import re
 
@@ -44,6 +45,7 @@ class ShapePlans:
         self.cache = ShapeCache(cfg.max_shapes, cfg.replan)
         self.profiled_steps = 0  # steps this rank profiled (its first included)
         self.derived_plans = 0  # plans this rank derived for new shapes instead (derive.py)
+        self.stale: collections.Counter[ShapeKey] = collections.Counter()  # profiled again for unplanned saves
         self.say_once = SayOnce()
 
     @property
@@ -192,16 +194,28 @@ class ShapePlans:
         return False
 
     # ---- after a planned step ----------------------------------------------------------------------------
-    def after_planned_step(self, key: ShapeKey, number: int, peak: int, events: Events) -> None:
+    def after_planned_step(self, key: ShapeKey, number: int, peak: int, unplanned: int, events: Events) -> None:
         """Step `number` ran under the plan of shapes `key` (`peak`: its device bytes of saved
-        tensors): the first step under a derived plan checks it (check_derived); the first measured
-        step of a recorded plan is written beside its predicted trace; a re-plan its verification
-        made is followed (REPLANNED), and every `verify_every` steps the next step verifies again."""
+        tensors; `unplanned`: how many it saved that the plan's profile does not have): the first
+        step under a derived plan checks it (check_derived); a measured plan whose step saved
+        others (another code path, a second forward) is profiled again (STALE, twice at most: a
+        model that alternates keeps its plan, its other saves to host within the budget); the
+        first measured step of a recorded plan is written beside its predicted trace; a re-plan
+        its verification made is followed (REPLANNED), and every `verify_every` steps the next
+        step verifies again."""
         state = self.cache[key]
         if not state.checked:
             state.checked = True
             if state.derived_from is not None and not self.check_derived(key, state, peak, events):
                 return
+        if unplanned and state.derived_from is None and self.stale[key] < 2:
+            self.stale[key] += 1
+            events.append(Transition.STALE)
+            log.info("slackswap %s: a step of input shapes %s saved %d tensor(s) its plan's profile does not have "
+                     "(another code path, or another forward): they went to host, and these shapes are profiled "
+                     "again", self.who(), shapes_of(key), unplanned, extra=EVERY_RANK)
+            self.cache.drop(key)
+            return
         timeline = state.executor.stats.last_timeline
         if timeline is not None and state.executor.record:
             state.executor.record = False  # one measured step is enough

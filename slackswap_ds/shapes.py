@@ -72,7 +72,7 @@ class ShapeState:
     checked: bool = False  # a step has run under its plan (a derived plan's sizes were checked then)
     refitted: bool = False  # derived again after its first step's sizes fitted the dims (derive.Deriver.learn)
     shelter: bool = False  # no plan could be made for it on this rank: its steps run in the shelter
-    two_forwards: bool = False  # a profiled step of it saw a second forward before backward (engine.py)
+    profiles_dropped: int = 0  # its profiled steps dropped for a forward without backward (lifecycle.py)
 
 
 class Run(enum.Enum):
@@ -101,6 +101,8 @@ class Transition(enum.Enum):
     REPLANNED = "running the plan its verification re-planned"
     ABANDONED = "a forward without backward ended its step"
     TWO_FORWARDS = "a second forward joined a profiled step"
+    PROFILED_AGAIN = "a profiled step had a forward without backward: its shapes are profiled again"
+    STALE = "a planned step saved tensors its plan's profile does not have: its shapes are profiled again"
     UNFINISHED = "micro-batches without backward closed at the step's end"
     COMPILED_ANEW = "the model's compilation changed: plans dropped"
     REPLAY_FAILED = "a replay failed in backward"

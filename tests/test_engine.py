@@ -66,6 +66,12 @@ def zero_stages_job(tmp_path_factory) -> dict[str, tuple[list[float], str]]:
         config["slackswap"].update(enabled=enabled, activation_budget=0.6)
         add(f"whole-{'on' if enabled else 'off'}", config, 5)
         runs[-1][1] += ["--compile-model", "aot_eager", "--layers", "8"]
+    # R-Drop: two training forwards before one backward (tests/test_lifecycle.py has it in process)
+    for enabled in (False, True):
+        config = base_config(0)
+        config["slackswap"]["enabled"] = enabled
+        add(f"rdrop-{'on' if enabled else 'off'}", config, 6)
+        runs[-1][1] += ["--rdrop"]
     # then a job that writes its plan_file, and one that finds it (each its own trace_file)
     for name, steps in (("file1", 5), ("file2", 4)):
         config = base_config(0)
@@ -348,6 +354,21 @@ def test_a_model_compiled_whole_by_engine_compile_trains_as_the_same_compiled_jo
 
 
 @sharing("zero_stages_job")
+def test_two_forwards_before_one_backward_train_exactly_within_budget_from_step_one(zero_stages_job):
+    """launch/train.py --rdrop on 2 ranks (R-Drop: two training forwards of each batch, one backward of
+    both losses and the distance of their logits): losses equal to the disabled run; the profiled step
+    saw both forwards, so every planned step is within its budget and nothing it saves is unplanned
+    (the warm-up steps, in the shelter, within the budget too)."""
+    (losses_on, log_on), (losses_off, _) = zero_stages_job["rdrop-on"], zero_stages_job["rdrop-off"]
+    assert len(losses_on) == 6 and losses_on == losses_off
+    measured = [(float(a), float(b)) for a, b in re.findall(r"activations\s+([\d.]+) MiB / budget ([\d.]+) MiB", log_on)]
+    assert len(measured) == 3 and all(a <= b for a, b in measured), measured
+    warm_up = [float(a) for a in re.findall(r"activations\s+([\d.]+) MiB on the device \(warm-up", log_on)]
+    assert len(warm_up) == 2 and all(a <= measured[0][1] for a in warm_up)
+    assert "not in the plan's profile" not in log_on and "profiled again" not in log_on
+
+
+@sharing("zero_stages_job")
 def test_plan_file_is_written_then_reused_and_traces_are_written(zero_stages_job):
     tmp = zero_stages_job["tmp"]
     (_, first), (_, second) = zero_stages_job["file1"], zero_stages_job["file2"]
@@ -487,9 +508,11 @@ def test_every_step_from_the_first_is_within_the_budget(caplog):
 
 def test_a_forward_without_backward_does_not_change_the_budget_or_the_next_step(caplog):
     """"Skip this batch" under the engine: a training forward whose loss is dropped, at the profiled
-    step and at a planned one. The profile is of a whole step (its budget half the real keep-all,
-    not of two forwards), and the step after a dropped forward runs its plan within the budget
-    (it used to be a second forward of the same step, 3.3x over)."""
+    step and at a planned one. The profiled step takes the next forward of its shapes in (it could be
+    R-Drop's), sees after backward that the dropped one's saves were never read and is profiled
+    again: the plan is of a whole step (its budget half the real keep-all, not of two forwards),
+    and the step after a dropped forward runs its plan within the budget (it used to be a second
+    forward of the same step, 3.3x over)."""
     import logging
 
     import torch
@@ -510,9 +533,10 @@ def test_a_forward_without_backward_does_not_change_the_budget_or_the_next_step(
     (state,) = runtime.shapes.values()
     assert state.plan.budget_bytes == state.profile.total_bytes // 2 and runtime.profiled_steps == 2
     planned = [(peak, plan) for peak, plan in peaks if plan is not None]
-    assert len(planned) == 3 and all(peak <= plan.budget_bytes for peak, plan in planned), planned
+    assert len(planned) == 2 and all(peak <= plan.budget_bytes for peak, plan in planned), planned
     assert runtime.last_stats.fallbacks == {}
     assert sum("had no backward" in r.getMessage() for r in caplog.records) == 1
+    assert sum("a profiled step had a forward without backward" in r.getMessage() for r in caplog.records) == 1
 
 
 def _full_recompute_job(layer: type, **config):

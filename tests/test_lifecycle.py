@@ -287,29 +287,87 @@ def test_a_forward_without_backward_ends_its_step_at_the_next_forward():
     assert lifecycle.last_stats.peak_device_bytes <= lifecycle.active_plan.budget_bytes
 
 
-def test_a_second_forward_in_a_profiled_step_is_profiled_again_as_one_step():
-    """R-Drop: two training forwards, one backward. The first profiled step cannot tell a second
-    forward from a skipped batch: it ends unprofiled; the next profiles both forwards as one step."""
+def two_forward_step(lifecycle: ShapeLifecycle, model, x, reference=None, first_backward: bool = True):
+    """R-Drop: two training forwards of the same inputs, one backward of both (or, without
+    `first_backward`, a first forward dropped, "skip this batch", then one that is backwarded).
+    With `reference`, the same step on it, the same RNG before both: the losses must be equal."""
+    torch.manual_seed(7)
+    lifecycle.forward(shape_key((x,), {}))
+    first = model(x)
+    lifecycle.forward(shape_key((x,), {}))
+    second = model(x)
+    loss = first + second + (first - second).square() if first_backward else second
+    if not first_backward:
+        del first
+    lifecycle.before_backward()
+    loss.backward()
+    lifecycle.after_backward(None)
+    if reference is not None:
+        torch.manual_seed(7)
+        a, b = reference(x), reference(x)
+        expected = a + b + (a - b).square()
+        expected.backward()
+        assert torch.equal(loss, expected)
+
+
+def test_two_forwards_before_one_backward_are_profiled_and_planned_as_one_step():
+    """R-Drop and contrastive losses: the profiled step sees both forwards (the second's layer calls
+    labelled @1), so the plan has every tensor of the step; exact, every step within its budget."""
     model, reference = twins()
     lifecycle = lifecycle_of(model)
-
-    def two_forwards(m, x):
-        return m(x) + m(x)
-
     events = []
     for i in range(4):
-        x = x_of(8, i)
-        lifecycle.forward(shape_key((x,), {}))
-        first = model(x)
-        lifecycle.forward(shape_key((x,), {}))
+        two_forward_step(lifecycle, model, x_of(8, i), reference)
         events.append(list(lifecycle.events))
-        loss = first + model(x)
-        lifecycle.before_backward()
-        loss.backward()
-        lifecycle.after_backward(None)
-        events[-1] += lifecycle.events
-    assert events[1][:3] == [T.PROFILE, T.TWO_FORWARDS, T.ABANDONED]
-    assert T.AGREED in events[2] and events[3][-1] == T.PLANNED
+        if lifecycle.active_plan is not None:
+            assert lifecycle.last_stats.peak_device_bytes <= lifecycle.active_plan.budget_bytes
+            assert lifecycle.last_stats.unplanned == 0
+    assert events == [[T.WARM_UP, T.WARMED_UP], [T.PROFILE, T.TWO_FORWARDS, T.AGREED], [T.PLANNED], [T.PLANNED]]
+    (state,) = lifecycle.shapes.values()
+    assert any("@1" in a.key for a in state.profile.activations)
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_a_profiled_step_whose_first_forward_had_no_backward_is_profiled_again():
+    """A batch skipped (its loss dropped) and the next of the same shapes: the profiler cannot tell
+    that apart from R-Drop when the second forward comes; after backward it can (the first forward's
+    saves were never read), and the profile is dropped."""
+    model, _ = twins()
+    lifecycle = lifecycle_of(model)
+    engine_step(lifecycle, model, x_of(8))
+    two_forward_step(lifecycle, model, x_of(8), first_backward=False)
+    assert lifecycle.events == [T.PROFILE, T.TWO_FORWARDS, T.PROFILED_AGAIN] and lifecycle.active_plan is None
+    engine_step(lifecycle, model, x_of(8))
+    assert lifecycle.events == [T.PROFILE, T.AGREED]
+    assert not any("@1" in a.key for a in next(iter(lifecycle.shapes.values())).profile.activations)
+
+
+def test_a_forward_of_other_shapes_ends_a_profiled_step_unprofiled():
+    model, _ = twins()
+    lifecycle = lifecycle_of(model)
+    engine_step(lifecycle, model, x_of(8))
+    engine_step(lifecycle, model, x_of(8), backward=False)  # profiled, then its batch skipped
+    engine_step(lifecycle, model, x_of(12))
+    assert lifecycle.events == [T.PROFILE, T.AGREED] and len(lifecycle.shapes) == 2
+
+
+def test_a_step_unlike_its_plan_holds_the_budget_and_its_shapes_are_profiled_again():
+    """A plan made for one forward, then steps of two (the loop changed): the second forward's saves
+    are not in the plan, go to host, and from the first of them the step holds the budget (its
+    prefetches wait for their reads); the shapes are profiled again, with both forwards."""
+    model, reference = twins()
+    lifecycle = lifecycle_of(model, activation_budget=0.3)
+    run_pair(lifecycle, model, reference, [8, 8, 8])
+    two_forward_step(lifecycle, model, x_of(8))
+    stats = lifecycle.last_stats
+    assert lifecycle.events == [T.PLANNED, T.STALE] and stats.unplanned > 0
+    assert stats.fallbacks["a prefetch over the budget: copied in when read"] > 0  # (reads still come in)
+    two_forward_step(lifecycle, model, x_of(8))
+    assert lifecycle.events == [T.PROFILE, T.TWO_FORWARDS, T.PLANNED_ALONE]
+    two_forward_step(lifecycle, model, x_of(8))
+    assert lifecycle.events == [T.PLANNED] and lifecycle.last_stats.unplanned == 0
+    assert lifecycle.last_stats.peak_device_bytes <= lifecycle.active_plan.budget_bytes
 
 
 def test_micro_batches_without_backward_are_closed_when_the_step_ends():

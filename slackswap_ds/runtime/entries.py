@@ -110,6 +110,8 @@ class Entries:
         if step.program is None:  # no plan: to host (blocking), so the step fits any budget above the kept bytes
             return Decision.KEEP if self.residency.bytes + nbytes <= self.keep_bytes else Decision.SWAP
         if planned is None:  # another code path than profiled (an attention mask of all ones that a model drops)
+            step.cap = step.program.plan.budget_bytes  # not the step planned for: its budget held from now on
+            step.stats.unplanned += 1
             return _to_host(step, "not in the plan's profile")
         if planned.nbytes != nbytes:
             # data-dependent shapes (a mixture of experts routes other token counts every step):
@@ -120,8 +122,8 @@ class Entries:
                 # a derived plan's prediction fell short: kept or regenerated in backward, the tensor
                 # could push the step over its budget; on the host it cannot
                 return _to_host(step, "larger than its derived size")
-        if planned.decision is Decision.KEEP and self.residency.over(step.program.cap, nbytes):
-            return _to_host(step, "over its derived plan's budget if kept")
+        if planned.decision is Decision.KEEP and self.residency.over(step.cap, nbytes):
+            return _to_host(step, "over the budget if kept")
         if planned.decision is Decision.RECOMPUTE and writer is None:
             return _to_host(step, "recompute of a tensor its layer call did not make")
         if planned.decision is Decision.RECOMPUTE and writer.op != planned.writer:

@@ -61,6 +61,7 @@ class ProfileSession:
         # the tracer asks for the region while the step runs, when the executor exists
         self.tracer = StepTracer(lambda: self.executor.region, timer or _sync_timer(device), device.type)
         self.executor = Executor.profiling(model, self.tracer, keep_bytes=keep_bytes, pool=pool)
+        self.forwards = [0]  # where each forward of the step began: the tracer's saves before it
 
     def __enter__(self) -> "ProfileSession":
         self.executor.__enter__()
@@ -77,6 +78,21 @@ class ProfileSession:
         finally:
             self.executor.__exit__(*exc)
         return False
+
+    def another_forward(self) -> None:
+        """A second (third, ...) forward of the step begins (R-Drop, contrastive losses): traced as
+        part of the same step (its layer calls are labelled @1, @2: naming.py)."""
+        self.forwards.append(len(self.tracer.saves))
+
+    def unread_forwards(self) -> list[int]:
+        """The forwards of the step (0 the first) most of whose saves backward never read: forwards
+        without a backward (a skipped batch) that the profile must not plan for. (Most, not all: a
+        storage both forwards save, their input, is one save, read by the other's backward; a
+        forward that is backwarded has every save read but those of a branch the loss ignores.)"""
+        bounds = [*self.forwards, len(self.tracer.saves)]
+        saves = self.tracer.saves
+        return [i for i, (a, b) in enumerate(zip(bounds, bounds[1:]))
+                if b > a and 2 * sum(s.read for s in saves[a:b]) < b - a]
 
     def end_forward(self) -> None:
         """What runs from now on outside backward is not the model's step (DeepSpeed's own

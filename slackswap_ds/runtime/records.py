@@ -107,6 +107,10 @@ class Step:
         self.live = 0  # entries not yet released
         self.lingering: list[Entry] = []  # let go by autograd in forward, held to their first read (entries.py)
         self.closed = False
+        # the budget held at run time (keeps and prefetches over it go to host or wait for their
+        # read): a derived plan's from the start (program.py), any plan's once the step saves a
+        # tensor its profile does not have (it is not the step the plan was made for)
+        self.cap: int | None = program.cap if program is not None else None
 
     def clear(self) -> None:
         """Drop every record of a closed step whose entries are all released: no reference cycle

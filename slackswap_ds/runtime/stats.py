@@ -28,6 +28,7 @@ class StepStats:
     host_pool_bytes: int = 0
     copy_waits: int = 0  # swapped tensors backward needed before their prefetch had run
     other_device_bytes: int = 0  # saved tensors on another device than the model's (left alone)
+    unplanned: int = 0  # saved tensors its plan's profile does not have (another code path): to host
     resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway
     resized_bytes: int = 0  # their bytes minus the profile's
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count

@@ -76,8 +76,8 @@ class Swaps:
                     entry = step.by_key.get(key)
                     if entry is not None and entry.decision is Decision.SWAP and entry.storage is None \
                             and entry.buffer is not None and entry.holders > 0:
-                        if self.residency.over(step.program.cap, entry.nbytes):
-                            step.stats.fallback("a prefetch over its derived plan's budget: copied in when read")
+                        if self.residency.over(step.cap, entry.nbytes):
+                            step.stats.fallback("a prefetch over the budget: copied in when read")
                             continue
                         self.copy_in(entry)
 

@@ -80,6 +80,7 @@ class TracedSave:
     ops_before: int  # ops traced when it was first packed
     shape: tuple[int, ...] = ()  # the tensor's, as first packed
     users: set[int] = field(default_factory=set)  # ops whose backward unpacked it
+    read: bool = False  # backward unpacked it (whether or not its reader was bound to an op)
 
 
 _DYNAMO_WRAPPERS = os.path.join("_dynamo", "eval_frame.py")  # where compile_wrapper is defined
@@ -167,6 +168,8 @@ class StepTracer(RuntimeMode):
         if self.closed:
             return
         save = self._save_of.get(key)
+        if save is not None:
+            save.read = True
         node = torch._C._current_autograd_node()
         if save is not None and node is not None:
             self._bind_last_node()
