@@ -26,18 +26,24 @@ from .step_profile import StepProfile
 __all__ = ["apply", "replan_without"]
 
 
-def apply(model: nn.Module, plan: Plan | Planned, profile: StepProfile, **kw) -> Executor:
+def apply(model: nn.Module, plan: Plan | Planned, profile: StepProfile, *, verify_every: int = 100,
+          **kw) -> Executor:
     """Context manager: every step run inside follows `plan`, made for `profile` of this model.
     ``with apply(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
 
-    Keywords as runtime.executor.executor_for: `pool` (HostPool), `record` (measured timelines),
-    `verify` (check recomputes on the first step, default True), `replan` (how to re-plan after a
+    The first step that recomputes checks every recomputed tensor bit for bit against forward's, and
+    so does every `verify_every`-th step after it (as the DeepSpeed config's `verify_every`): a layer
+    that starts reading state which changes between its forward and its backward is demoted there;
+    between two checks (and with 0, after the first) it trains with wrong gradients, as under
+    torch.utils.checkpoint. Keywords as runtime.executor.executor_for: `pool` (HostPool), `record`
+    (measured timelines), `verify` (check at all, default True), `replan` (how to re-plan after a
     demotion; default `replan_without`), `takeover`, `device` (default: the Device of the model's
     parameters)."""
     if isinstance(plan, Planned):
         kw.setdefault("schedule", plan.schedule)
         plan = plan.plan
     kw.setdefault("replan", replan_without)
+    kw["verify_every"] = verify_every
     return executor_for(model, plan, profile, **kw)
 
 

@@ -136,7 +136,7 @@ class SlackSwapConfig(BaseModel):
     verify_every: int = Field(
         100,
         ge=0,
-        description="Every this many training steps, the next step checks the plan's recomputes again as the first planned step does (its recomputed tensors compared bit for bit with forward's, kept on host for that step): a layer that starts reading state which changes between its forward and its backward is demoted then, not never. Between two checks such a layer gives wrong gradients, as under torch.utils.checkpoint: layers must replay exactly (docs/runtime.md, \"The replay contract\"). 0: only the first planned step checks.",
+        description="After every this many steps under a plan (of each input shape), the next step checks the plan's recomputes again as its first step does (its recomputed tensors compared bit for bit with forward's, kept on host for that step): a layer that starts reading state which changes between its forward and its backward is demoted then. Between two checks such a layer trains with wrong gradients, as under torch.utils.checkpoint, and with 0 (only the first step checks) it does for the rest of the job: layers must replay exactly (docs/runtime.md, \"The replay contract\"). `ss.apply` takes the same `verify_every`.",
         json_schema_extra=_doc("integer >= 0", 100),
     )
     pad_to_multiple: int | None = Field(
@@ -145,7 +145,8 @@ class SlackSwapConfig(BaseModel):
         description="Bucketing of variable-length batches: each training forward's keyword inputs are padded "
         "to the next multiple of this along the sequence dimension (`attention_mask` 0, `labels` -100, ids 0; "
         "an `attention_mask` is added if missing; any other tensor of the sequence length is refused), so that "
-        "few input shapes are planned. The loss is the unpadded one up to rounding; outputs have the padded "
+        "few input shapes are planned. Not bit for bit the unpadded job: without dropout the loss is the "
+        "unpadded one up to rounding, with dropout the padded tensors draw other masks; outputs have the padded "
         "length. In your own collator: `slackswap_ds.pad_to_multiple`. `null`: inputs as they come.",
         json_schema_extra=_doc("integer >= 1 or null", 64),
     )

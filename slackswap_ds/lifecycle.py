@@ -324,7 +324,7 @@ class ShapeLifecycle:
         self.reports.step(state.plan, state.prediction, step.peak, step.fallbacks, str(shapes_of(key)),
                           self.holds * state.profile.total_bytes, step.moved)
         unplanned = sum(stats.unplanned for stats in step.finished)
-        self.shape_plans.after_planned_step(key, step.number, step.peak, unplanned, step.events)
+        self.shape_plans.after_planned_step(key, step.peak, unplanned, step.events)
 
     # ---- runners -----------------------------------------------------------------------------------------
     def _runner(self, key: ShapeKey, tag: Hashable) -> Runner:

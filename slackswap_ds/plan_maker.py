@@ -235,18 +235,15 @@ class PlanMaker:
             sim = simulate(schedule, shares.own.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
         state.profile, state.plan = profile, plan
         state.executor = executor_for(self.module, plan, profile, schedule=schedule, pool=self.pool,
-                                      replan=self.replan)
+                                      replan=self.replan, verify_every=self.cfg.verify_every)
         state.prediction = self._prediction(profile, sim, held)
         return sim
 
-    def after_step(self, state: ShapeState, steps: int) -> bool:
-        """After planned step (or pipeline batch) number `steps` of `state`'s shape: the state follows
-        a re-plan that step's verification made (whether it did), and every `verify_every` steps the
-        next step checks the plan's recomputes again (the replay contract)."""
-        followed = self.follow(state)
-        if self.cfg.verify_every and steps % self.cfg.verify_every == 0:
-            state.executor.verify_again()
-        return followed
+    def after_step(self, state: ShapeState) -> bool:
+        """After a planned step (or pipeline batch) of `state`'s shape: the state follows a re-plan
+        that step's verification made; whether it did. (The executor verifies again every
+        `verify_every` of its steps: runtime/steps.py.)"""
+        return self.follow(state)
 
     def follow(self, state: ShapeState) -> bool:
         """After the executor re-planned (a failed verification demoted tensors): the state's plan,

@@ -194,15 +194,14 @@ class ShapePlans:
         return False
 
     # ---- after a planned step ----------------------------------------------------------------------------
-    def after_planned_step(self, key: ShapeKey, number: int, peak: int, unplanned: int, events: Events) -> None:
-        """Step `number` ran under the plan of shapes `key` (`peak`: its device bytes of saved
+    def after_planned_step(self, key: ShapeKey, peak: int, unplanned: int, events: Events) -> None:
+        """A step ran under the plan of shapes `key` (`peak`: its device bytes of saved
         tensors; `unplanned`: how many it saved that the plan's profile does not have): the first
         step under a derived plan checks it (check_derived); a measured plan whose step saved
         others (another code path, a second forward) is profiled again (STALE, twice at most: a
         model that alternates keeps its plan, its other saves to host within the budget); the
         first measured step of a recorded plan is written beside its predicted trace; a re-plan
-        its verification made is followed (REPLANNED), and every `verify_every` steps the next
-        step verifies again."""
+        its verification made is followed (REPLANNED)."""
         state = self.cache[key]
         if not state.checked:
             state.checked = True
@@ -221,7 +220,7 @@ class ShapePlans:
             state.executor.record = False  # one measured step is enough
             write_job_trace(timeline, self.cfg.trace_file, "measured", budget_bytes=state.plan.budget_bytes,
                             title=f"slackswap plan {state.plan.digest[:12]} (measured, rank 0)")
-        if self.plans.after_step(state, number):
+        if self.plans.after_step(state):
             events.append(Transition.REPLANNED)
 
     # ---- what the log says --------------------------------------------------------------------------------

@@ -73,3 +73,47 @@ def test_re_planning_without_the_failed_keys_keeps_them_from_being_recomputed():
     pinned, replanned = api.replan_without(profile, plan, failed)
     assert replanned.planner == plan.planner and replanned.budget_bytes == plan.budget_bytes
     assert all(replanned.decision[k] is not ss.Decision.RECOMPUTE for k in failed)
+
+
+@pytest.mark.parametrize("verify_every, checked", [(3, [True, None, None, False, True]), (0, [True, None, None, None, None])])
+def test_apply_checks_the_replay_contract_again_every_verify_every_steps(verify_every, checked):
+    """A layer reads a global that, from the fourth step on, changes between its forward and its
+    backward (it breaks the replay contract): with verify_every 3 the fourth step checks the plan's
+    recomputes again, demotes that layer, and the re-planned plan's first step checks what is left;
+    with 0 only the first step checks, and the broken layer trains on unchecked."""
+    scale = {"now": 1.0}
+
+    class ReadsAGlobal(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+        def forward(self, x):
+            return self.b(self.a(x).tanh() * scale["now"]).tanh()
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(ReadsAGlobal() for _ in range(4))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    model, x = Stack(), torch.randn(8, 32)
+    profile = ss.profile_step(model, lambda m, b: m(b).backward(), x, warmup=0)
+    plan = ss.plan(profile, "a100-80g-pcie4", 0.8, planner="full-recompute")
+    verdicts = []
+    with ss.apply(model, plan, profile, verify_every=verify_every) as stats:
+        for step_number in range(1, 6):
+            loss = model(x)  # (the step before closes here: its counters are stats.last_step)
+            if step_number > 1:
+                verdicts.append(stats.last_step.verified)
+            scale["now"] = 2.0 if step_number >= 4 else 1.0
+            loss.backward()
+            scale["now"] = 1.0
+    verdicts.append(stats.last_step.verified)
+    assert verdicts == checked
+    assert len(stats.demotions) == (1 if verify_every else 0)

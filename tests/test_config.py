@@ -418,3 +418,16 @@ def test_an_auto_budget_is_resolved_by_the_device_not_by_the_keep_all_peak():
     assert budget.of(1000, 123) == 123
     assert AUTO_MARGIN == 0.10 and auto_budget_bytes(80e9, 24.88e9) == 47_120_000_000
     assert auto_budget_bytes(80e9, 107.8e9) == 0
+
+
+def test_the_readmes_sample_error_is_what_load_config_prints(tmp_path):
+    """README.md shows the ConfigError a three-mistake section gets: it must be the message the code
+    prints today, line for line (it listed 14 valid keys when there were 21)."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split('```\ninvalid "slackswap" config in ds.json', 1)[1].split("```", 1)[0]
+    shown = ('invalid "slackswap" config in ds.json' + block).strip()
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"slackswap": {"activation_budget": 1.5, "profile_steps": 0, "activation_bugdet": 0.3}}))
+    with pytest.raises(ConfigError) as raised:
+        load_config(path)
+    assert str(raised.value).replace(str(path), "ds.json") == shown

@@ -605,8 +605,8 @@ def test_after_a_demotion_the_runtime_describes_the_plan_it_runs(caplog):
 @pytest.mark.parametrize("verify_every", [0, 3])
 def test_verify_every_checks_the_replay_contract_again(verify_every):
     """A layer reads a global that, from step 5 on, changes between its forward and its backward.
-    With verify_every 3 the step after step 6 checks the plan again and demotes it; with 0 only the
-    first planned step checks (and the contract holds then)."""
+    With verify_every 3 the step after every third step of the plan checks it again, and step 6
+    demotes it; with 0 only the first planned step checks (and the contract holds then)."""
     import torch
 
     scale = {"now": 1.0}
@@ -630,9 +630,10 @@ def test_verify_every_checks_the_replay_contract_again(verify_every):
     # step 1 warms up, step 2 is profiled, step 3 verifies the plan (the contract holds then)
     (state,) = runtime.shapes.values()
     if verify_every:
-        # checked again after steps 3 and 6: step 7 demotes the layers reading the global, and the
-        # re-planned plan's first step (8) verifies what it still recomputes
-        assert verdicts == [None, None, True, True, None, None, False, True, None]
+        # steps 3, 4, 5 are the plan's first three: step 6 checks it again and demotes the layers
+        # reading the global, the re-planned plan's first step (7) verifies what it still recomputes,
+        # and after three steps of the executor since step 6, step 9 checks again
+        assert verdicts == [None, None, True, None, None, False, True, None, True]
         assert len(state.executor.stats.demotions) == 1 and runtime.active_plan is state.plan
         assert all(key.endswith(":mul") for key in state.executor.stats.demotions[0])
     else:

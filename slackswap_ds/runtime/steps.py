@@ -14,9 +14,11 @@ micro-batch's forward from a second forward of gradient accumulation): start(tag
 forward, resume(tag) before its backward, finish(tag) after it. Device bytes are counted over
 every open step (residency.py), so a step's peak is the stage's.
 
-Verification again. `verify_again()` makes the next step a verifying one under the same plan: the
-engine asks for it every `verify_every` planned steps, because the replay contract can break after
-the first step (a layer that reads state which changes between its forward and its backward).
+Verification again. `verify_again()` makes the next step a verifying one under the same plan; with
+`verify_every` N > 0, every N-th step closed under a plan that recomputes asks for it, because the
+replay contract can break after the first step (a layer that reads state which changes between its
+forward and its backward). Between two checks such a layer trains with wrong gradients, as under
+torch.utils.checkpoint; with 0 only the first step checks.
 
 Closing a step releases what its backward let go, puts its counters in `stats.last_step` (and its
 timeline, if recorded, in `stats.last_timeline`), demotes what failed verification (or failed to
@@ -49,9 +51,10 @@ class Steps:
     `closed` with each closed step that ran without a plan (the profiler's tracer stops there)."""
 
     def __init__(self, entries: Entries, swaps: Swaps, verifier: Verifier, residency: Residency, *, verify: bool,
-                 opened: Callable[[Step], None], closed: Callable[[Step], None]):
+                 opened: Callable[[Step], None], closed: Callable[[Step], None], verify_every: int = 0):
         self.entries, self.swaps, self.verifier, self.residency = entries, swaps, verifier, residency
         self.verify = verify  # the first step under each plan that recomputes checks its recomputes
+        self.verify_every = verify_every  # and every this many steps after (0: never again)
         self.opened, self.closed = opened, closed
         self.stats = RunStats()
         self.program: Program | None = None  # what new steps run under (None: no plan)
@@ -158,6 +161,8 @@ class Steps:
         if demoted is not None:  # what failed is never recomputed again
             self.set_program(demoted)
             self.stats.demotions.append(dict(step.failures))
+        elif self.verify_every and step.program is not None and self.stats.steps % self.verify_every == 0:
+            self.verify_again()  # (nothing recomputed, or verification off: it says no)
         for why, n in stats.fallbacks.items():
             if why not in self._warned:
                 self._warned.add(why)
