@@ -33,7 +33,8 @@ from .aten import meta_of, no_dispatch, rebuild
 from .flat import flatten_call, unflatten_call
 from .records import CallRecord, Detached, Entry, HeldArgument, Step, Writer
 from .compiled import is_compiled
-from .replay import Recorder, ReplayError, autocast_state, rng_states, run_compiled_replay, run_replay
+from .replay import (Recorder, ReplayError, autocast_state, host_rng_states, rng_states, run_compiled_replay,
+                     run_replay)
 from .residency import Residency
 from .swaps import Swaps
 from .verify import Verifier
@@ -65,6 +66,7 @@ class LayerCalls:
             flat = [Detached(t) if isinstance(t, torch.Tensor) else t for t in flat]
         call.args = (flat, spec)
         call.versions = [(a.tensor, a.tensor._version) for a in flat if isinstance(a, Detached)]
+        call.host_rng = host_rng_states()
         step.calls[label] = call
         if is_compiled(module):
             call.rng = rng_states(device_type)

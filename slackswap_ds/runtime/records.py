@@ -155,6 +155,7 @@ class CallRecord:
     available: dict[tuple[int, int], Entry] = field(default_factory=dict)  # (op, output) -> entry saved in this call
     targets: dict[tuple[int, int], Entry] = field(default_factory=dict)  # (op, output) -> RECOMPUTE entry
     pins: list[Entry] = field(default_factory=list)  # entries held for the replay (arguments)
+    host_rng: tuple | None = None  # Python's and NumPy's global generators at the call (replay.host_rng_states)
     live: int = 0  # RECOMPUTE entries of the call still held by autograd (counted when the call returns)
     returned: bool = False  # the layer call has returned (calls.hold_arguments)
     done: bool = False

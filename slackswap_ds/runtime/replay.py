@@ -37,6 +37,8 @@ would leak.
 from __future__ import annotations
 
 import contextlib
+import random
+import sys
 import threading
 from typing import Callable, ContextManager, Protocol
 
@@ -50,8 +52,8 @@ from .compiled import dynamo_never_compiles
 from .flat import flatten, unflatten
 from .records import CallRecord, Entry, OpRecord
 
-__all__ = ["Recorder", "ReplayError", "ReplayMode", "ReplaySource", "autocast_state", "replaying", "rng_states",
-           "run_compiled_replay", "run_replay"]
+__all__ = ["Recorder", "ReplayError", "ReplayMode", "ReplaySource", "autocast_state", "host_rng_states", "replaying",
+           "rng_states", "run_compiled_replay", "run_replay"]
 
 _tls = threading.local()
 
@@ -221,10 +223,13 @@ class ReplayMode(RuntimeMode):
 @contextlib.contextmanager
 def _as_in_forward(call: CallRecord, enter_extra: Callable[[], ContextManager], *inner: ContextManager):
     """What every replay of `call` runs under, eager or compiled: `replaying()` true on this thread,
-    grad on, forward's autocast state, `enter_extra()` (checkpoint takeover), then `inner`."""
+    grad on, forward's autocast state, Python's and NumPy's global generators as they were at the
+    call (given back after), `enter_extra()` (checkpoint takeover), then `inner`."""
     _tls.replaying = True
     try:
         with contextlib.ExitStack() as stack:
+            if call.host_rng is not None:
+                stack.enter_context(_host_rng_as(call.host_rng))
             stack.enter_context(torch.enable_grad())
             for kind, enabled, dtype in call.autocast:
                 stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
@@ -252,6 +257,35 @@ def run_replay(source: ReplaySource, call: CallRecord, rerun: frozenset[int], ar
         pass
     finally:
         mode.restore_generators()
+
+
+def host_rng_states() -> tuple:
+    """The states of Python's `random` and NumPy's global generator (if NumPy is loaded): a layer's
+    own Python code may draw from them (augmentation, stochastic depth). A replay runs the layer
+    again from the states of its call and gives the job's back after, so that the replay draws what
+    forward drew and the job's later draws are those of a run without SlackSwap. A generator the
+    model made itself (`random.Random()`, `numpy.random.default_rng()`) is not seen: a layer drawing
+    from one fails verification (verify.py) and its replay has advanced it."""
+    np = sys.modules.get("numpy")
+    return random.getstate(), (np.random.get_state() if np is not None else None)
+
+
+@contextlib.contextmanager
+def _host_rng_as(states: tuple):
+    now = host_rng_states()
+    _set_host_rng(states)
+    try:
+        yield
+    finally:
+        _set_host_rng(now)
+
+
+def _set_host_rng(states: tuple) -> None:
+    python, numpy_state = states
+    random.setstate(python)
+    np = sys.modules.get("numpy")
+    if numpy_state is not None and np is not None:
+        np.random.set_state(numpy_state)
 
 
 # ---- compiled layers (compiled.py): a call replayed whole -------------------------------------------

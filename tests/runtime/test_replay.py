@@ -6,6 +6,7 @@ logged while the step's gradients stay exact."""
 import logging
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -91,6 +92,43 @@ def test_random_ops_replay_with_the_state_each_generator_had_in_forward():
         rng_after("plan")  # the replays put every generator back: the next step draws as without them
         assert torch.equal(states["plan"][0], states["reference"][0])
         assert all(torch.equal(a, b) for a, b in zip(states["plan"][1], states["reference"][1]))
+
+
+class HostRandom(nn.Module):
+    """Draws from Python's and NumPy's global generators in forward (stochastic depth, augmentation
+    noise), values that reach the tensors as Python numbers."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.a, self.b = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x):
+        keep = 1.0 if random.random() > 0.3 else 0.5
+        noise = float(np.random.rand())
+        return x + keep * self.b(self.a(x).tanh() * (1 + noise))
+
+
+def test_python_and_numpy_generators_replay_as_in_forward_and_are_given_back():
+    """A replay runs the layer's Python code again: it draws from the states Python's and NumPy's
+    global generators had at the call, and gives the job's back after, so that every plan's step is
+    exact and the job's next draws are those of a run without SlackSwap (they advanced the
+    generators, and the job differed from the verifying step on)."""
+    model, x = Stack(HostRandom), torch.randn(4, 16)
+
+    def seeded_run(executor=None):
+        random.seed(3)
+        np.random.seed(3)
+        got = run(model, loss_step, x, executor)
+        return got, (random.random(), float(np.random.rand()))
+
+    reference, after = seeded_run()
+    random.seed(3)
+    np.random.seed(3)
+    prof = profile(model, loss_step, x)
+    for seed in range(8):
+        got, after_plan = seeded_run(ss.apply(model, random_plan(prof, seed), prof))
+        assert_exact(got, reference)
+        assert after_plan == after
 
 
 # ---- state a layer writes into --------------------------------------------------------------------
