@@ -51,6 +51,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 from .errors import SlackSwapError
+from .logs import log
 
 __all__ = ["CheckpointFunction", "checkpoint", "configure", "get_cuda_rng_tracker", "install", "is_configured",
            "is_installed", "model_parallel_cuda_manual_seed", "model_parallel_reconfigure_tp_seed",
@@ -62,6 +63,7 @@ _MARK = "__slackswap_dropin__"  # marks our replacements, so they are never mist
 
 _LOCK = threading.RLock()
 _PLAN_ACTIVE = False
+_RAN_INLINE = False  # a checkpoint call of the model ran inline under a plan (said once)
 _INSTALLED: list[tuple[Any, str, bool, Any]] | None = None  # (owner, attribute, had it, old value)
 
 
@@ -87,6 +89,20 @@ def set_plan_active(active: bool) -> bool:
 def plan_active() -> bool:
     """True while a SlackSwap plan is applied (see :func:`set_plan_active`)."""
     return _PLAN_ACTIVE
+
+
+def ran_inline() -> bool:
+    """Whether a `deepspeed.checkpointing` call of the model ran inline under a plan (the model has
+    checkpointing of its own, which SlackSwap replaced)."""
+    return _RAN_INLINE
+
+
+def _inline() -> None:
+    global _RAN_INLINE
+    if not _RAN_INLINE:
+        _RAN_INLINE = True
+        log.info("slackswap: the model calls deepspeed.checkpointing; SlackSwap replaces activation checkpointing: "
+                 "those calls run inline and the plan decides what is kept, swapped or recomputed")
 
 
 @contextlib.contextmanager
@@ -160,6 +176,7 @@ def _as_deepspeed_outputs(outputs):
 
 
 def _run_direct(function: Callable, args: tuple, kwargs: dict):
+    _inline()
     return _as_deepspeed_outputs(function(*args, **kwargs))
 
 
@@ -211,6 +228,7 @@ def _checkpoint_function_class():
                 def apply(cls, run_function, all_outputs, *args):
                     if not _PLAN_ACTIVE:
                         return super().apply(run_function, all_outputs, *args)
+                    _inline()
                     outputs = run_function(*args)
                     if _is_tensor(outputs):
                         all_outputs += [outputs]

@@ -121,6 +121,25 @@ def say_own_plan(who: str, shapes: str, state: ShapeState, how: str, holds: int 
              100 * state.prediction.throughput, measured_on(device_type), extra=EVERY_RANK)
 
 
+def say_replaced_checkpointing(cfg: SlackSwapConfig, profile_bytes: int, budget: int, held: int) -> None:
+    """The model's own activation checkpointing ran inline (SlackSwap replaced it): what it held
+    (`held`: every layer recomputed), and what the plan holds (`budget`; keep-all `profile_bytes`):
+    the same where the user set no `activation_budget`, else said as set, and warned where more."""
+    if "activation_budget" not in cfg.model_fields_set:
+        log.info("slackswap: this model's own activation checkpointing is replaced by the plan, within what it held: "
+                 "budget %s B (every layer recomputed holds that; keep-all %s B). activation_budget is not set: "
+                 "give one to trade memory for speed", f"{budget:,}", f"{profile_bytes:,}")
+    elif budget > held:
+        log.warning("slackswap: this model's own activation checkpointing is replaced by the plan, and activation_budget "
+                    "%s (%s B) is more than the replaced checkpointing held (%s B, every layer recomputed; keep-all %s "
+                    "B): the job may hold more activation memory than before; leave activation_budget unset to hold "
+                    "what it held", cfg.activation_budget, f"{budget:,}", f"{held:,}", f"{profile_bytes:,}")
+    else:
+        log.info("slackswap: this model's own activation checkpointing is replaced by the plan: keep-all %s B, budget "
+                 "%s B (activation_budget %s); the replaced checkpointing would have held %s B (every layer "
+                 "recomputed)", f"{profile_bytes:,}", f"{budget:,}", cfg.activation_budget, f"{held:,}")
+
+
 def say_agreed_plan(state: ShapeState, agreed: Agreed, coordinator, hw: Hardware, device_type: str) -> None:
     """One plan line per job (rank 0's), and one from each rank whose link share differs."""
     plan, shares = agreed.plan, coordinator.shares
@@ -272,4 +291,4 @@ def write_job_trace(result, trace_file: str, kind: str, **kw) -> bool:
 
 
 __all__ = ["JobSummary", "KINDS", "StepReports", "at_exit", "measured_on", "say_agreed_plan", "say_own_plan",
-           "say_stage_plan", "say_summary", "summary_path", "trace_path", "write_job_trace"]
+           "say_replaced_checkpointing", "say_stage_plan", "say_summary", "summary_path", "trace_path", "write_job_trace"]

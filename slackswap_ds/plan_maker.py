@@ -44,6 +44,7 @@ from .planners import PLANNERS, get_planner, keep_all_result, refusal
 from .planners.common import Planned, fit_triggers, held_bytes, simulated
 from .runtime.device import Device
 from .runtime.executor import executor_for
+from .runtime.takeover import checkpointing_replaced
 from .runtime.host_pool import HostPool
 from .shapes import Prediction, ShapeKey, ShapeState, describe
 from .shares import PRIVATE, Share
@@ -102,10 +103,16 @@ class PlanMaker:
         return cls(cfg, hw, engine.module, Coordinator(cfg, hw, stage, members), zero_offload_pinned_bytes(engine),
                    recompute, zero_sharding(engine))
 
-    def budget_for(self, keep_all_bytes: int) -> int:
-        """`activation_budget` in bytes for a step whose keep-all peak is `keep_all_bytes`; "auto" is
-        what the device has room for beside the model state, found once, at the job's first plan
-        (the optimizer has stepped by then: its state is allocated), and logged."""
+    def budget_for(self, profile: StepProfile, holds: int = 1) -> int:
+        """The budget in bytes of a step of `profile` with `holds` micro-batches in flight: what the
+        model's own checkpointing would have held where SlackSwap replaced it and the user set no
+        `activation_budget` (taking over never raises memory), else `activation_budget` of the
+        step's keep-all peak; "auto" is what the device has room for beside the model state, found
+        once, at the job's first plan (the optimizer has stepped by then: its state is allocated),
+        and logged."""
+        if checkpointing_replaced() and "activation_budget" not in self.cfg.model_fields_set:
+            return checkpointing_held(profile, self.hw, holds)
+        keep_all_bytes = holds * profile.total_bytes
         if self.cfg.budget.is_auto and self.auto_bytes is None:
             device, state, how = device_room(self.module, self.hw, *self.zero)
             self.auto_bytes = auto_budget_bytes(device, state)
@@ -123,15 +130,6 @@ class PlanMaker:
                         "not bound a step here; give a fraction of the keep-all peak, a smaller size, or \"auto\"",
                         self.cfg.activation_budget, f"{budget:,}", f"{int(self.hw.hbm_bytes):,}", self.hw.name)
         return budget
-
-    def say_replaced_checkpointing(self, profile: StepProfile, budget: int) -> None:
-        """The model checkpoints its own layers (HF gradient_checkpointing) and SlackSwap took that
-        over: what the job had, and has now, in bytes of saved activations."""
-        full = get_planner("full-recompute")(self.plannable(profile), self.hw, profile.total_bytes, PRIVATE)
-        log.info("slackswap: this model's own activation checkpointing is replaced by the plan: keep-all %s B, "
-                 "budget %s B (activation_budget %s); the replaced checkpointing would have held %s B (every "
-                 "layer recomputed)", f"{profile.total_bytes:,}", f"{budget:,}", self.cfg.activation_budget,
-                 f"{full.result.peak_bytes:,}")
 
     def plannable(self, profile: StepProfile) -> StepProfile:
         """`profile` as planners may plan it: without recompute where plans may not recompute."""
@@ -339,6 +337,14 @@ class PlanMaker:
             log.warning("slackswap: could not write plan_file %s (%s); the plan is used, not saved", path, e)
 
 
+def checkpointing_held(profile: StepProfile, hw: Hardware, holds: int = 1) -> int:
+    """The device bytes of saved activations a model's own activation checkpointing holds at its
+    peak, every layer recomputed: the full-recompute plan's peak for `holds` micro-batches in
+    flight (planned on the profile as it is, recompute allowed: what the checkpointing does)."""
+    planned = get_planner("full-recompute")(profile, hw, holds * profile.total_bytes, PRIVATE, holds=holds)
+    return planned.peak_bytes
+
+
 def fate_bytes(plan: Plan, profile: StepProfile) -> str:
     """`keep X B, swap Y B, recompute Z B` of a plan, as the plan lines say it."""
     from .plan import Decision
@@ -348,4 +354,4 @@ def fate_bytes(plan: Plan, profile: StepProfile) -> str:
             f"recompute {split[Decision.RECOMPUTE]:,} B")
 
 
-__all__ = ["Agreed", "FALLBACK_PLANNERS", "PlanMaker", "fate_bytes"]
+__all__ = ["Agreed", "FALLBACK_PLANNERS", "PlanMaker", "checkpointing_held", "fate_bytes"]

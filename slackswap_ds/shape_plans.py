@@ -24,9 +24,9 @@ import re
 from .config import SlackSwapConfig
 from .derive import Derivation
 from .errors import SlackSwapError
-from .job_report import say_agreed_plan, say_own_plan, say_stage_plan, write_job_trace
+from .job_report import say_agreed_plan, say_own_plan, say_replaced_checkpointing, say_stage_plan, write_job_trace
 from .logs import EVERY_RANK, SayOnce, log
-from .plan_maker import PlanMaker
+from .plan_maker import PlanMaker, checkpointing_held
 from .runtime.takeover import checkpointing_replaced
 from .shapes import ShapeCache, ShapeKey, ShapeState, Transition, describe, shapes_of
 from .step_profile import StepProfile
@@ -81,7 +81,7 @@ class ShapePlans:
         state = self.cache[key]
         self.plans.holds = holds
         self.cache.add_base(key, local, self.dims)
-        budget = self.plans.budget_for(holds * local.total_bytes)
+        budget = self.plans.budget_for(local, holds)
         if self.coordinator.shares is not None:  # agreed at the job's first plan: this rank plans alone
             try:
                 agreed = self.plans.plan_locally(local, budget, key)
@@ -104,8 +104,9 @@ class ShapePlans:
             say_stage_plan(state, agreed, self.coordinator, self.plans.hw, holds, self.device_type)
         else:
             say_agreed_plan(state, agreed, self.coordinator, self.plans.hw, self.device_type)
-        if checkpointing_replaced():  # HF gradient_checkpointing ran inline: what it held, what the plan holds
-            self.plans.say_replaced_checkpointing(local, budget)
+        if checkpointing_replaced():  # its own checkpointing ran inline: what it held, what the plan holds
+            say_replaced_checkpointing(self.cfg, local.total_bytes, budget,
+                                       checkpointing_held(local, self.plans.hw, holds))
         if record:  # the prediction now; the first measured step beside it (lifecycle.py)
             state.executor.record = write_job_trace(sim, self.cfg.trace_file, "predicted",
                                                     budget_bytes=agreed.plan.budget_bytes,
@@ -147,7 +148,7 @@ class ShapePlans:
 
     def _install_derived(self, key: ShapeKey, profile: StepProfile, base_key: ShapeKey) -> bool:
         state = self.cache[key]
-        budget = self.plans.budget_for(self.plans.holds * profile.total_bytes)
+        budget = self.plans.budget_for(profile, self.plans.holds)
         try:
             agreed = self.plans.plan_locally(profile, budget, key, use_plan_file=False)
         except SlackSwapError as e:

@@ -1,6 +1,7 @@
 """ss.initialize under the real DeepSpeed launcher on CPU (2 ranks, loopback only), and the
 runtime's lifecycle in process (one rank, no launcher)."""
 
+import functools
 import json
 import re
 
@@ -856,33 +857,57 @@ def test_a_budget_larger_than_the_device_is_warned_about_once(caplog):
     assert len(warned) == 1 and "activation_budget 200000000000 (200,000,000,000 B)" in warned[0] and "80,000,000,000 B" in warned[0]
 
 
-def test_taking_over_gradient_checkpointing_says_what_it_held_and_what_the_plan_holds(caplog):
-    """A model with Hugging Face gradient checkpointing on: SlackSwap runs its checkpoint calls inline
-    and says the three sizes: the keep-all peak, the budget, and what the checkpointing held (every
-    layer recomputed: the full-recompute plan's peak)."""
+@pytest.mark.parametrize("section, kind", [({}, "hf"), ({}, "deepspeed"), ({"activation_budget": 0.5}, "hf")],
+                         ids=["hf-unset", "deepspeed-unset", "hf-set-above"])
+def test_taking_over_a_models_checkpointing_never_raises_memory_unless_asked(caplog, section, kind):
+    """A model with Hugging Face gradient checkpointing on, or one that calls
+    deepspeed.checkpointing.checkpoint around its blocks: SlackSwap runs those calls inline (said
+    once: the DeepSpeed kind said nothing) and, with no activation_budget set, plans within what the
+    replaced checkpointing held (every layer recomputed: the full-recompute plan's peak), so the job
+    needs no more memory than before; a budget the user set is obeyed, and where it is above what
+    checkpointing held (0.5 of keep-all gave 1.78x), the log says so with both figures."""
     import logging
     import re
 
+    import deepspeed
     import torch
 
-    from slackswap_ds.planners import get_planner
-    from slackswap_ds.shares import PRIVATE
+    from slackswap_ds import checkpointing
+    from slackswap_ds.plan_maker import checkpointing_held
+    from slackswap_ds.runtime import takeover
 
+    takeover._said.clear()
+    checkpointing._RAN_INLINE = False
     model = _gpt2()
-    model.gradient_checkpointing_enable()
+    if kind == "hf":
+        model.gradient_checkpointing_enable()
+    else:  # Megatron-DeepSpeed style: each block through deepspeed.checkpointing.checkpoint
+        for block in model.transformer.h:
+            block.forward = functools.partial(lambda f, *a, **k: deepspeed.checkpointing.checkpoint(f, *a, **k),
+                                              block.forward)
     engine = _EngineShim(model)
-    runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4",
-                                                             "profile_steps": 1}})).attach()
+    runtime = EngineHooks(engine, load_config({"slackswap": {"hardware": "a100-80g-pcie4", "profile_steps": 1,
+                                                             **section}})).attach()
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
-        for _ in range(3):
+        for _ in range(4):
             ids = torch.randint(1, 128, (2, 16))
-            engine.backward(engine.forward(input_ids=ids, labels=ids).loss)
+            engine.backward(engine.forward(input_ids=ids, labels=ids, use_cache=False).loss)
+            if runtime.active_plan is not None:
+                assert runtime.last_stats.peak_device_bytes <= runtime.active_plan.budget_bytes
     (state,) = runtime.shapes.values()
-    (line,) = [r.getMessage() for r in caplog.records if "own activation checkpointing is replaced" in r.getMessage()]
-    keep_all, budget, held = (int(x.replace(",", "")) for x in re.findall(r"([\d,]+) B", line))
-    full = get_planner("full-recompute")(state.profile, runtime.plans.hw, keep_all, PRIVATE).result.peak_bytes
-    assert (keep_all, budget, held) == (state.profile.total_bytes, state.plan.budget_bytes, full)
-    assert held < budget < keep_all
+    held = checkpointing_held(state.profile, runtime.plans.hw)
+    messages = [r.getMessage() for r in caplog.records]
+    said = {"hf": "calls torch.utils.checkpoint", "deepspeed": "calls deepspeed.checkpointing"}[kind]
+    assert sum(said in m for m in messages) == 1
+    (line,) = [m for m in messages if "own activation checkpointing is replaced" in m]
+    if not section:
+        assert state.plan.budget_bytes == held < state.profile.total_bytes
+        assert f"within what it held: budget {held:,} B" in line
+    else:
+        assert state.plan.budget_bytes == state.profile.total_bytes // 2 > held
+        assert f"activation_budget 0.5 ({state.plan.budget_bytes:,} B) is more than the replaced checkpointing held " \
+               f"({held:,} B" in line
+    assert re.search(r"keep-all [\d,]+ B", line)
 
 
 def test_other_ranks_say_only_what_differs():

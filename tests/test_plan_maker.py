@@ -58,10 +58,12 @@ def test_no_plan_anywhere_is_one_error_with_every_reason():
 
 
 def test_budgets_in_bytes_and_a_size_above_the_device_said_once(caplog):
-    assert maker().budget_for(60) == 30 and maker(activation_budget=0.8).budget_for(60) == 48
+    profile = two_region_profile()  # keep-all 60 B
+    assert maker().budget_for(profile) == 30 and maker(activation_budget=0.8).budget_for(profile) == 48
+    assert maker().budget_for(profile, holds=2) == 60
     big = maker(activation_budget="4GiB")  # the toy device has 1 GB
     with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
-        assert big.budget_for(60) == big.budget_for(600) == 4 << 30
+        assert big.budget_for(profile) == big.budget_for(profile, holds=10) == 4 << 30
     assert caplog.text.count("is more than the device's memory (1,000,000,000 B, toy)") == 1
 
 
@@ -88,7 +90,7 @@ def test_a_plan_is_agreed_alone_installed_and_describes_its_bytes():
                                                 f"recompute {split[Decision.RECOMPUTE]:,} B")
     assert sum(split.values()) == 60
     assert not plans.follow(state)  # nothing was re-planned: the state describes what runs
-    assert not plans.after_step(state, 1)
+    assert not plans.after_step(state)
 
 
 def test_a_replan_after_a_demotion_never_recomputes_what_failed():

@@ -41,8 +41,11 @@ _said: set[str] = set()
 
 
 def checkpointing_replaced() -> bool:
-    """Whether a model in this process called torch.utils.checkpoint under a plan (it ran inline)."""
-    return "torch-checkpoint" in _said
+    """Whether a model in this process called torch.utils.checkpoint or deepspeed.checkpointing
+    under a plan or the profiler (the calls ran inline: its own checkpointing was replaced)."""
+    from .. import checkpointing
+
+    return "torch-checkpoint" in _said or checkpointing.ran_inline()
 
 
 def _say_once(what: str, message: str) -> None:
