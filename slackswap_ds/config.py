@@ -105,15 +105,16 @@ class SlackSwapConfig(BaseModel):
         2,
         ge=1,
         description="Warm-up steps before the step that is profiled, so that lazy initialisation and allocator "
-        "warm-up stay out of the profile. They run in the shelter (every saved tensor to host), so that they "
-        "stay within the budget too.",
+        "warm-up stay out of the profile. They run in the shelter (every saved tensor to host), so that the "
+        "device holds only what an op reads at once: within any budget a plan can keep (one below that is said "
+        "at the first step, with the smallest that works).",
         json_schema_extra=_doc("integer >= 1", 2),
     )
     replan: Literal["on_shape_change", "never"] = Field(
         "on_shape_change",
         description='`"on_shape_change"`: profile and plan again when the input shapes change (e.g. a new '
         'sequence length); `"never"`: plan only the first shapes, and run steps of other shapes in the shelter '
-        '(every saved tensor to host: within the budget, slower).',
+        '(every saved tensor to host: the device holds only what an op reads at once; slower).',
         json_schema_extra=_doc('"on_shape_change" or "never"', "on_shape_change"),
     )
     derive_shapes: bool = Field(

@@ -5,7 +5,7 @@ which only turn DeepSpeed's entry points into the calls below. A *step* is one t
 its backward on the engine (`forward`, `before_backward`, `after_backward`), one `train_batch` on a
 pipeline stage (`begin_step`; `micro_batch_forward` and `micro_batch_backward` for each micro-batch,
 keyed by its pipe buffer; `end_step`). Each micro-batch runs in a *runner*: the executor of its
-shapes' plan, a ProfileSession, or the shelter (every saved tensor to host: within the budget).
+shapes' plan, a ProfileSession, or the shelter (every saved tensor to host: what an op reads at once).
 
     the step's shapes              runs under                  what follows (shapes.Transition)
     a warm-up step                 the shelter                 WARMED_UP after the last one
@@ -291,11 +291,8 @@ class ShapeLifecycle:
                 raise
         elif step.planned is not None:
             self._planned_step_done(step)
-        elif step.warm_up and step.number == self.warm_until:
-            step.note(Transition.WARMED_UP)
-            log.info("slackswap: %s%d warm-up step(s) done in the shelter: peak of saved activations on the device "
-                     "%s B", self._stage_said(), self.cfg.profile_steps, f"{self.shelter_peak:,}",
-                     extra=self._extra())
+        elif step.warm_up:
+            self._warm_up_done(step)
 
     def _profile_dropped(self, step: Step) -> bool:
         """A profiled step of several forwards in which one had no backward (its saves never read:
@@ -385,11 +382,30 @@ class ShapeLifecycle:
         """Under pipeline parallelism every stage says its own (its first rank: logs.py)."""
         return EVERY_RANK if self.stage is not None and self.coordinator.leads_group() else None
 
+    def _warm_up_done(self, step: Step) -> None:
+        """A budget in bytes below what a warm-up step held (every saved tensor on host: what one op
+        reads at once, the least any plan holds) cannot be kept by any plan: said at once, with the
+        smallest budget that works (the first plan then stops the job, with every planner's reason).
+        After the last warm-up step, its peak is said."""
+        if step.number == self.warm_until:
+            step.note(Transition.WARMED_UP)
+            log.info("slackswap: %s%d warm-up step(s) done in the shelter: peak of saved activations on the device "
+                     "%s B", self._stage_said(), self.cfg.profile_steps, f"{self.shelter_peak:,}",
+                     extra=self._extra())
+        budget = self.cfg.budget
+        if budget.is_fraction or budget.is_auto or self.shelter_peak <= budget.of(0):
+            return
+        self.say_once("floor", logging.WARNING, "slackswap: %sactivation_budget %s (%s B) is less than this model's "
+                      "steps hold on the device with every saved tensor on host (%s B in the warm-up: what an op "
+                      "reads at once): no plan can keep it; the smallest budget that works is about %s B",
+                      self._stage_said(), self.cfg.activation_budget, f"{budget.of(0):,}", f"{self.shelter_peak:,}",
+                      f"{self.shelter_peak:,}")
+
     def _say_warm_up(self, step: Step) -> None:
         if step.number == self.warm_until - self.cfg.profile_steps + 1 and not step.open:
             log.info("slackswap: %sthe first %d step(s) warm up in the shelter: every saved tensor goes to host, so "
-                     "device activation memory stays within any budget until the step after them is profiled",
-                     self._stage_said(), self.cfg.profile_steps)
+                     "the device holds only what an op reads at once (the least any plan can) until the step after "
+                     "them is profiled", self._stage_said(), self.cfg.profile_steps)
 
 
 def lifecycle_for(engine, cfg: SlackSwapConfig, plans: PlanMaker) -> ShapeLifecycle:

@@ -155,11 +155,24 @@ class PlanMaker:
         if not found:
             raise BudgetInfeasibleError(f"no planner keeps this step's saved activations within {budget:,} B "
                                         f"(activation_budget {self.cfg.activation_budget}): " + "; ".join(reasons)
-                                        + ". Raise activation_budget or host_pool_bytes_per_node")
+                                        + f". The smallest budget that works here is {self._least(profile, share)}: "
+                                        "raise activation_budget (or host_pool_bytes_per_node)")
         other, planned = min(found, key=lambda f: f[1].result.step_s)
         log.warning("slackswap: planner %s found no plan within %s B (%s); using %s instead (simulated step %.2f ms)",
                     planner, f"{budget:,}", reasons[0], other, 1e3 * planned.result.step_s)
         return planned
+
+    def _least(self, profile: StepProfile, share: Share) -> str:
+        """The least peak a fallback planner holds this step to, on an unlimited budget, said as
+        `N B (planner)`: what the smallest budget that works is."""
+        budget, peaks = self.holds * profile.total_bytes, []
+        for planner in FALLBACK_PLANNERS:
+            try:
+                peaks.append((get_planner(planner)(profile, self.hw, budget, share, holds=self.holds).peak_bytes,
+                              planner))
+            except BudgetInfeasibleError:  # (offload-all without the host pool it needs)
+                continue
+        return "{:,} B ({})".format(*min(peaks)) if peaks else f"the keep-all peak, {budget:,} B"
 
     def fit_to_device(self, profile: StepProfile, planned: Planned, share: Share | None = None) -> Planned:
         """`planned` (made on `share`, default the shares' plan share) as it should run on this

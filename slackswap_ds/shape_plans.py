@@ -113,12 +113,12 @@ class ShapePlans:
                                                     title=f"slackswap plan {agreed.plan.digest[:12]} (predicted)")
 
     def _no_plan(self, key: ShapeKey, state: ShapeState, error: Exception, events: Events) -> None:
-        """No plan for `key` on this rank: its steps run in the shelter (within the budget, slower)."""
+        """No plan for `key` on this rank: its steps run in the shelter (the least a step holds, slower)."""
         state.shelter = True
         events.append(Transition.NO_PLAN)
         log.warning("slackswap %s: no plan for input shapes %s (%s: %s); their steps run in the shelter (every "
-                    "saved tensor to host: within the budget, slower)", self.who(), shapes_of(key),
-                    type(error).__name__, error, extra=EVERY_RANK)
+                    "saved tensor to host: the device holds only what an op reads at once; slower)", self.who(),
+                    shapes_of(key), type(error).__name__, error, extra=EVERY_RANK)
 
     # ---- derived --------------------------------------------------------------------------------------
     def derived(self, key: ShapeKey, events: Events) -> bool:
@@ -200,7 +200,7 @@ class ShapePlans:
         tensors; `unplanned`: how many it saved that the plan's profile does not have): the first
         step under a derived plan checks it (check_derived); a measured plan whose step saved
         others (another code path, a second forward) is profiled again (STALE, twice at most: a
-        model that alternates keeps its plan, its other saves to host within the budget); the
+        model that alternates keeps its plan, its other saves to host, the budget held); the
         first measured step of a recorded plan is written beside its predicted trace; a re-plan
         its verification made is followed (REPLANNED)."""
         state = self.cache[key]

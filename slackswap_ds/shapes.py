@@ -80,7 +80,7 @@ class Run(enum.Enum):
 
     PLANNED = "planned"  # under its shape's executor
     PROFILE = "profile"  # profiled (a shape without a plan yet)
-    SHELTER = "shelter"  # every saved tensor to host, within any budget (warm-up; a shape without a plan)
+    SHELTER = "shelter"  # every saved tensor to host: what an op reads at once (warm-up; a shape without a plan)
 
 
 class Transition(enum.Enum):

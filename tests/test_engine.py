@@ -950,7 +950,7 @@ def test_a_budget_the_planner_cannot_meet_falls_back_to_a_planner_that_can(caplo
     said = [r.getMessage() for r in caplog.records if "found no plan within" in r.getMessage()]
     assert len(said) == 1 and "using offload-all instead" in said[0]
     with pytest.raises(BudgetInfeasibleError, match=r"no planner keeps .*slackswap: .*; offload-all: .*; "
-                                                    r"full-recompute: .*Raise activation_budget"):
+                                                    r"full-recompute: .*The smallest budget that works here is [\d,]+ B"):
         _steps({"activation_budget": 0.02}, seqs=(16, 16))
 
 

@@ -217,11 +217,18 @@ def test_new_shapes_under_replan_never_run_in_the_shelter():
     assert lifecycle.events == [T.SHELTER] and len(lifecycle.shapes) == 1
 
 
-def test_a_first_plan_that_cannot_be_made_stops_the_job():
+def test_a_budget_no_plan_can_keep_is_said_at_the_first_step_and_stops_the_job_at_its_first_plan(caplog):
+    """16 B is less than a warm-up step holds with every saved tensor on host (what one op reads at
+    once): said at once with the smallest budget that works; the first plan then stops the job, its
+    error naming the least a plan holds."""
     model, _ = twins()
     lifecycle = lifecycle_of(model, activation_budget="16B")
-    engine_step(lifecycle, model, x_of(8))
-    with pytest.raises(BudgetInfeasibleError, match="no planner keeps this step's saved activations within 16 B"):
+    with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
+        engine_step(lifecycle, model, x_of(8))
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("slackswap: activation_budget 16 (16 B) is less than this model's steps hold")
+    assert said.endswith(f"the smallest budget that works is about {lifecycle.shelter_peak:,} B")
+    with pytest.raises(BudgetInfeasibleError, match=r"within 16 B .*The smallest budget that works here is [\d,]+ B"):
         engine_step(lifecycle, model, x_of(8))
     assert lifecycle.events == [T.PROFILE, T.GAVE_UP]
 

@@ -54,7 +54,8 @@ def test_no_plan_anywhere_is_one_error_with_every_reason():
     for reason in ("keep-all: its plan peaks at 60 B", "offload-all: offload-all peaks at 30 B",
                    "full-recompute: its plan peaks at 40 B"):
         assert reason in message
-    assert message.endswith("Raise activation_budget or host_pool_bytes_per_node")
+    assert message.endswith("The smallest budget that works here is 30 B (offload-all): raise activation_budget "
+                            "(or host_pool_bytes_per_node)")
 
 
 def test_budgets_in_bytes_and_a_size_above_the_device_said_once(caplog):
