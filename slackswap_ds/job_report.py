@@ -8,11 +8,13 @@ from __future__ import annotations
 import atexit
 import collections
 import json
+import logging
 import os
+import signal
 import statistics
 import time
 import weakref
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from .config import SlackSwapConfig
 from .files import write_atomically
@@ -23,6 +25,10 @@ from .plan_maker import Agreed, fate_bytes
 from .shapes import Prediction, ShapeState
 
 KINDS = ("warm-up", "profiled", "planned", "shelter")  # how a step ran (lifecycle.py)
+# lifecycle transitions that can repeat every step (a padding collator's new lengths): said the first
+# time, then counted in the periodic report
+TALLIED = frozenset({"DERIVED", "PLANNED_ALONE", "REFITTED", "UNDERIVABLE", "NO_PLAN", "STALE", "PROFILED_AGAIN",
+                     "REPLANNED", "ABANDONED", "FALLBACK_PLANNER", "SHELTER"})
 
 
 class StepReports:
@@ -42,8 +48,10 @@ class StepReports:
     def _start(self) -> None:
         self.elapsed, self.timed = 0.0, 0  # wall clock from one step's end to the next planned step's
         self.steps = 0
-        self.peak = 0
+        self.worst: tuple[float, int, Prediction | None, int] = (-1.0, 0, None, 0)  # (peak/budget, peak, its plan's)
+        self.over = 0  # planned steps over their plan's budget
         self.fallbacks: collections.Counter[str] = collections.Counter()
+        self.events: collections.Counter[str] = collections.Counter()  # what steps did (lifecycle transitions)
 
     def _tick(self) -> float | None:
         """Seconds since the previous step ended (None for the job's first)."""
@@ -51,49 +59,82 @@ class StepReports:
         seconds, self.last = (now - self.last if self.last is not None else None), now
         return seconds
 
-    def end_of_job(self, stage: int | None = None, lead: bool = False, **counters: int) -> dict | None:
-        """The job's summary (`counters`: the runtime's own, JobSummary.data), once (then None; None
-        if no step ran). Rank 0 says it and writes it as JSON (`summary_file`); under pipeline
-        parallelism each stage's first rank (`lead`) says its stage's, and stages after the first
-        write `<summary>.stage<i>.json` beside the summary file."""
+    def end_of_job(self, stage: int | None = None, lead: bool = False, state: str = "finished",
+                   **counters: int) -> dict | None:
+        """The job's summary (`counters`: the runtime's own, JobSummary.data; `state`: how the job
+        ended), once (then None; None if no step ran). Every rank writes its own as JSON (rank 0 at
+        `summary_file`, rank r beside it as `<summary>.rank<r>.json`; under pipeline parallelism a
+        stage's first rank its stage's, `<summary>.stage<i>.json` for stages after the first); rank
+        0 (a stage's first rank) says it."""
         if self.summarized or not sum(self.summary.counts.values()):
             return None
         self.summarized = True
-        data = self.summary.data(**counters) | ({} if stage is None else {"stage": stage})
+        data = self.summary.data(**counters) | {"state": state, "rank": job_rank()}
+        if stage is not None:
+            data["stage"] = stage
+        path = self.summary_file(stage)
         if stage is None or lead:
-            path = summary_path(self.cfg)
-            if path and stage:
-                path = trace_path(path, f"stage{stage}")
-            say_summary(data, path if stage is not None or job_rank() == 0 else None)  # (the group may be gone)
+            say_summary(data, path)
         return data
 
-    def unplanned(self, kind: str, peak_bytes: int, fallbacks: Mapping[str, int]) -> None:
-        """A warm-up, profiled or shelter step ended."""
+    def summary_file(self, stage: int | None = None) -> str | None:
+        """This rank's summary file (None: none asked for; under pipeline parallelism, its stage's)."""
+        path, rank = summary_path(self.cfg), job_rank()
+        if path is None or (stage is None and rank == 0) or stage == 0:
+            return path
+        return trace_path(path, f"stage{stage}" if stage is not None else f"rank{rank}")
+
+    def started(self, stage: int | None = None) -> None:
+        """The job's first step: its summary file says the job runs (a file of an earlier job is
+        never left looking like this one's)."""
+        path = self.summary_file(stage)
+        if path:
+            try:
+                write_atomically(path, json.dumps({"state": "running", "rank": job_rank()}) + "\n")
+            except OSError:  # (said when the summary is written: say_summary)
+                pass
+
+    def unplanned(self, kind: str, peak_bytes: int, fallbacks: Mapping[str, int], events: Iterable = ()) -> None:
+        """A warm-up, profiled or shelter step ended (`events`: its lifecycle transitions, tallied)."""
         self.summary.step(kind, self._tick(), peak_bytes, fallbacks)
+        self.events.update(e.value for e in events if e.name in TALLIED)
 
     def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int],
-             shapes: str = "", keep_all: int | None = None, moved: tuple[int, int] = (0, 0)) -> None:
-        """A planned step ended (`moved`: its swapped and recomputed bytes)."""
+             shapes: str = "", keep_all: int | None = None, moved: tuple[int, int] = (0, 0),
+             events: Iterable = ()) -> None:
+        """A planned step ended (`moved`: its swapped and recomputed bytes; `events`: its lifecycle
+        transitions). Each step's peak is held against its own plan's budget: the report names the
+        step closest to (or furthest over) its budget, with that plan's prediction and budget."""
         seconds = self._tick()
         self.summary.step("planned", seconds, peak_bytes, fallbacks, plan, shapes, keep_all, moved)
         if seconds is not None:
             self.elapsed += seconds
             self.timed += 1
         self.steps += 1
-        self.peak = max(self.peak, peak_bytes)
+        self.worst = max(self.worst, (peak_bytes / max(1, plan.budget_bytes), peak_bytes, prediction,
+                                      plan.budget_bytes), key=lambda w: w[0])
+        self.over += peak_bytes > plan.budget_bytes
         self.fallbacks.update(fallbacks)
+        self.events.update(e.value for e in events if e.name in TALLIED)
         if not self.cfg.log_every or (self.reported and self.steps < self.cfg.log_every):
             return
         self.reported = True
+        self._report()
+
+    def _report(self) -> None:
+        _, peak, prediction, budget = self.worst
         per_step = f"{1e3 * self.elapsed / self.timed:.1f} ms" if self.timed else "(not timed)"
         log.info("slackswap: last %d planned steps: %s per step (wall clock, optimizer included; the plan "
                  "predicts %.1f ms for forward and backward on %s%s), peak of saved activations %s B (predicted "
-                 "%s B, budget %s B)", self.steps, per_step, 1e3 * prediction.step_s, self.hw.name,
-                 measured_on(self.device_type),
-                 f"{self.peak:,}", f"{prediction.peak_bytes:,}", f"{plan.budget_bytes:,}")
+                 "%s B, budget %s B)%s", self.steps, per_step, 1e3 * prediction.step_s, self.hw.name,
+                 measured_on(self.device_type), f"{peak:,}", f"{prediction.peak_bytes:,}", f"{budget:,}",
+                 f"; {self.over} step(s) over their plan's budget" if self.over else "")
+        if self.events:
+            log.info("slackswap: since the last report: %s",
+                     "; ".join(f"{n} x {what}" for what, n in sorted(self.events.items(), key=lambda e: (-e[1], e[0]))))
         if self.fallbacks:
-            log.warning("slackswap: in the last %d steps, saved tensors not placed as planned: %s", self.steps,
-                        ", ".join(f"{n} x {why}" for why, n in sorted(self.fallbacks.items())))
+            log.warning("slackswap rank %d: in the last %d steps, saved tensors not placed as planned: %s", job_rank(),
+                        self.steps, ", ".join(f"{n} x {why}" for why, n in sorted(self.fallbacks.items())))
         self._start()
 
 
@@ -103,6 +144,18 @@ def measured_on(device_type: str) -> str:
     return "" if device_type == "cuda" else f", with op times measured on this {device_type.upper()}"
 
 
+def below_floor(cfg: SlackSwapConfig, shelter_peak: int) -> str | None:
+    """What to say of a budget in bytes below what a warm-up step held with every saved tensor on
+    host (`shelter_peak`: what an op reads at once, the least any plan holds), or None: no plan can
+    keep it, and the smallest budget that works is about that peak."""
+    budget = cfg.budget
+    if budget.is_fraction or budget.is_auto or shelter_peak <= budget.of(0):
+        return None
+    return (f"activation_budget {cfg.activation_budget} ({budget.of(0):,} B) is less than this model's steps hold on "
+            f"the device with every saved tensor on host ({shelter_peak:,} B in the warm-up: what an op reads at "
+            f"once): no plan can keep it; the smallest budget that works is about {shelter_peak:,} B")
+
+
 def say_compiled_anew(step: int, compiled: frozenset[str], before: frozenset[str], warmup_steps: int) -> None:
     log.warning("slackswap: the model's compilation changed at step %d (compiled parts %s, before %s): the plans "
                 "made for it are dropped, and its input shapes are profiled and planned again after %d warm-up "
@@ -110,12 +163,13 @@ def say_compiled_anew(step: int, compiled: frozenset[str], before: frozenset[str
                 step, sorted(compiled) or "none", sorted(before) or "none", warmup_steps, extra=SAME_ON_EVERY_RANK)
 
 
-def say_own_plan(who: str, shapes: str, state: ShapeState, how: str, holds: int | None, device_type: str) -> None:
+def say_own_plan(who: str, shapes: str, state: ShapeState, how: str, holds: int | None, device_type: str,
+                 level: int = logging.INFO) -> None:
     """A plan a rank made alone, for input shapes of its own (every rank says its own; `who`: `rank
     r`, or `stage s rank r` with `holds` micro-batches in flight)."""
     plan = state.plan
     own = "" if holds is None else f" of this rank's own ({holds} micro-batch(es) in flight),"
-    log.info("slackswap %s: input shapes %s: plan %s%s %s; budget %s B of %s B keep-all; %s; predicts %.1f%% of "
+    log.log(level, "slackswap %s: input shapes %s: plan %s%s %s; budget %s B of %s B keep-all; %s; predicts %.1f%% of "
              "ideal throughput%s", who, shapes, plan.digest[:12], own, how, f"{plan.budget_bytes:,}",
              f"{(holds or 1) * state.profile.total_bytes:,}", fate_bytes(plan, state.profile),
              100 * state.prediction.throughput, measured_on(device_type), extra=EVERY_RANK)
@@ -217,10 +271,30 @@ class JobSummary:
 
 
 def at_exit(end_of_job) -> None:
-    """`end_of_job` (a runtime's bound method) runs when the process exits, unless the runtime is
-    gone by then: the summary without keeping the runtime alive."""
+    """`end_of_job` (a runtime's bound method, taking `state=`) runs when the process exits, unless
+    the runtime is gone by then (the summary without keeping the runtime alive), and when it is
+    stopped by SIGTERM (a scheduler's preemption: Python would exit without atexit), marked so:
+    then the handler that was there acts (the default: the process ends by SIGTERM, as before)."""
     method = weakref.WeakMethod(end_of_job)
     atexit.register(lambda: method() is not None and method()())
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+    except (ValueError, AttributeError):  # pragma: no cover - a platform without SIGTERM
+        return
+
+    def on_sigterm(signum, frame):
+        if method() is not None:
+            method()(state="stopped by SIGTERM")
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            os.kill(os.getpid(), signal.SIGTERM)  # (the default action now: the process ends by SIGTERM)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread: at exit only
+        pass
 
 
 def say_summary(data: dict, path: str | None) -> None:
@@ -257,7 +331,9 @@ def say_summary(data: dict, path: str | None) -> None:
         except OSError as e:
             log.warning("slackswap: the summary could not be written to %s (%s)", path, e, extra=extra)
             return
-        log.info("%swritten to %s", head, path, extra=extra)
+        log.info("%swritten to %s%s", head, path, "" if stage is not None else
+                 f" (rank 0's steps; every rank writes its own: {trace_path(path, 'rank<r>')} for rank r > 0)",
+                 extra=extra)
 
 
 def summary_path(cfg: SlackSwapConfig) -> str | None:
@@ -290,5 +366,5 @@ def write_job_trace(result, trace_file: str, kind: str, **kw) -> bool:
     return True
 
 
-__all__ = ["JobSummary", "KINDS", "StepReports", "at_exit", "measured_on", "say_agreed_plan", "say_own_plan",
+__all__ = ["JobSummary", "KINDS", "StepReports", "TALLIED", "at_exit", "below_floor", "measured_on", "say_agreed_plan", "say_own_plan",
            "say_replaced_checkpointing", "say_stage_plan", "say_summary", "summary_path", "trace_path", "write_job_trace"]

@@ -43,7 +43,7 @@ import torch
 
 from .compatibility import take_compiled_model
 from .config import SlackSwapConfig
-from .job_report import StepReports, at_exit, say_compiled_anew
+from .job_report import StepReports, at_exit, below_floor, say_compiled_anew
 from .logs import EVERY_RANK, SayOnce, log
 from .plan import Plan
 from .plan_maker import PlanMaker
@@ -157,10 +157,11 @@ class ShapeLifecycle:
     def holds(self) -> int:
         return self.plans.holds
 
-    def end_of_job(self) -> dict | None:
-        """The job's summary (job_report.StepReports.end_of_job), once; run when the process exits,
-        or by a script that wants it earlier. None if no step ran."""
-        return self.reports.end_of_job(self.stage, self.coordinator.leads_group(),
+    def end_of_job(self, state: str = "finished") -> dict | None:
+        """The job's summary (job_report.StepReports.end_of_job), once; run when the process exits or
+        is stopped by SIGTERM (`state` says so), or by a script that wants it earlier. None if no
+        step ran."""
+        return self.reports.end_of_job(self.stage, self.coordinator.leads_group(), state,
                                        profiled_steps=self.profiled_steps, derived_plans=self.derived_plans)
 
     # ---- the engine's step: a training forward and its backward ----------------------------------------
@@ -250,6 +251,8 @@ class ShapeLifecycle:
         anew = False
         if self.steps == 1:
             self.compiled = self.take_compiled()
+            if self.stage is None or self.coordinator.leads_group():
+                self.reports.started(self.stage)
         elif frozenset(compiled_parts(self.module)) != self.compiled:
             self._compiled_anew()
             anew = True
@@ -275,40 +278,30 @@ class ShapeLifecycle:
             return
         if error is not None:
             return
-        if step.planned is None:  # (a planned step is reported against its plan: _planned_step_done)
-            kind = "warm-up" if step.warm_up else "profiled" if step.profiling is not None else "shelter"
-            self.reports.unplanned(kind, step.peak, step.fallbacks)
-        if step.profiling is not None and self._profile_dropped(step):
-            return
-        if step.profiling is not None:
-            session, key = step.profiling
-            try:
-                self.shape_plans.from_profile(key, session.profile(type(self.module).__name__), step.most_open,
-                                              step.events)
-            except Exception as e:
-                step.note(Transition.GAVE_UP)
-                self.coordinator.give_up(e)
-                raise
-        elif step.planned is not None:
+        if step.planned is not None:
             self._planned_step_done(step)
-        elif step.warm_up:
-            self._warm_up_done(step)
+            return
+        try:  # (reported after what follows it, so that the report counts that too)
+            if step.profiling is not None:
+                self._profiled_step_done(step)
+            elif step.warm_up:
+                self._warm_up_done(step)
+        finally:
+            kind = "warm-up" if step.warm_up else "profiled" if step.profiling is not None else "shelter"
+            self.reports.unplanned(kind, step.peak, step.fallbacks, step.events)
 
-    def _profile_dropped(self, step: Step) -> bool:
-        """A profiled step of several forwards in which one had no backward (its saves never read:
-        a batch skipped, then the next one): its profile would plan for a forward that steps do not
-        have, so its shapes are profiled again (twice at most: a loop that always leaves one forward
-        unread has it in its steps, and the profile plans for it)."""
+    def _profiled_step_done(self, step: Step) -> None:
+        """Its shapes' plan from the profile (the job's first: agreed; an error there stops the job
+        on every rank), unless the profile is dropped."""
         session, key = step.profiling
-        state = self.shapes.get(key)
-        if state is None or not session.unread_forwards() or state.profiles_dropped >= 2:
-            return False
-        state.profiles_dropped += 1
-        step.note(Transition.PROFILED_AGAIN)
-        self.say_once("profiled again", logging.INFO, "slackswap: a profiled step had a forward without backward "
-                      "(%d of its %d forwards): its shapes are profiled again", len(session.unread_forwards()),
-                      len(session.forwards))
-        return True
+        if self.shape_plans.drop_unread(key, session, step.events):
+            return
+        try:
+            self.shape_plans.from_profile(key, session.profile(type(self.module).__name__), step.most_open, step.events)
+        except Exception as e:
+            step.note(Transition.GAVE_UP)
+            self.coordinator.give_up(e)
+            raise
 
     def _planned_step_done(self, step: Step) -> None:
         key = step.planned
@@ -317,11 +310,12 @@ class ShapeLifecycle:
             self.say_once("holds", logging.WARNING, "slackswap: %sran %d micro-batches at once, its plan was made "
                           "for %d: the peak may exceed the budget (the gradients are unaffected)", self._stage_said(),
                           step.most_open, self.holds)
-        self.active_plan = state.plan
-        self.reports.step(state.plan, state.prediction, step.peak, step.fallbacks, str(shapes_of(key)),
-                          self.holds * state.profile.total_bytes, step.moved)
+        plan, prediction, keep_all = state.plan, state.prediction, self.holds * state.profile.total_bytes
+        self.active_plan = plan
         unplanned = sum(stats.unplanned for stats in step.finished)
-        self.shape_plans.after_planned_step(key, step.peak, unplanned, step.events)
+        self.shape_plans.after_planned_step(key, step.peak, unplanned, step.events)  # (may re-plan or drop it)
+        self.reports.step(plan, prediction, step.peak, step.fallbacks, str(shapes_of(key)), keep_all, step.moved,
+                          step.events)
 
     # ---- runners -----------------------------------------------------------------------------------------
     def _runner(self, key: ShapeKey, tag: Hashable) -> Runner:
@@ -392,14 +386,9 @@ class ShapeLifecycle:
             log.info("slackswap: %s%d warm-up step(s) done in the shelter: peak of saved activations on the device "
                      "%s B", self._stage_said(), self.cfg.profile_steps, f"{self.shelter_peak:,}",
                      extra=self._extra())
-        budget = self.cfg.budget
-        if budget.is_fraction or budget.is_auto or self.shelter_peak <= budget.of(0):
-            return
-        self.say_once("floor", logging.WARNING, "slackswap: %sactivation_budget %s (%s B) is less than this model's "
-                      "steps hold on the device with every saved tensor on host (%s B in the warm-up: what an op "
-                      "reads at once): no plan can keep it; the smallest budget that works is about %s B",
-                      self._stage_said(), self.cfg.activation_budget, f"{budget.of(0):,}", f"{self.shelter_peak:,}",
-                      f"{self.shelter_peak:,}")
+        below = below_floor(self.cfg, self.shelter_peak)
+        if below:
+            self.say_once("floor", logging.WARNING, "slackswap: %s%s", self._stage_said(), below)
 
     def _say_warm_up(self, step: Step) -> None:
         if step.number == self.warm_until - self.cfg.profile_steps + 1 and not step.open:

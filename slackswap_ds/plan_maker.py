@@ -24,6 +24,7 @@ derived profile into a running executor, on the DeepSpeed engine and on pipeline
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from torch import nn
@@ -36,7 +37,7 @@ from .coordination import Coordinator
 from .deepspeed_api import offloads_parameters, partitions_parameters, zero_offload_pinned_bytes, zero_sharding
 from .errors import BudgetInfeasibleError, PlanError
 from .hardware import Hardware
-from .logs import EVERY_RANK, log
+from .logs import EVERY_RANK, SayOnce, log
 from .machine import device_room, resolve_hardware
 from .plan import Plan, lower
 from .plan_file import MadeFor
@@ -83,6 +84,7 @@ class PlanMaker:
         self.said_too_large = False  # a size budget above the device's memory was warned about
         self.holds = 1  # micro-batches whose saved tensors are held at once (a pipeline stage's: stages.py)
         self.pool: HostPool | None = None  # one HostPool for every shape's executor
+        self.said = SayOnce()  # what the job's plans and executors say once per kind
 
     @classmethod
     def for_engine(cls, engine, cfg: SlackSwapConfig, stage: int | None = None,
@@ -158,8 +160,10 @@ class PlanMaker:
                                         + f". The smallest budget that works here is {self._least(profile, share)}: "
                                         "raise activation_budget (or host_pool_bytes_per_node)")
         other, planned = min(found, key=lambda f: f[1].result.step_s)
-        log.warning("slackswap: planner %s found no plan within %s B (%s); using %s instead (simulated step %.2f ms)",
-                    planner, f"{budget:,}", reasons[0], other, 1e3 * planned.result.step_s)
+        # (said once per kind: every new shape of a job may need it; the reports count the others)
+        self.said(f"fallback {planner} {other}", logging.WARNING, "slackswap: planner %s found no plan within %s B "
+                  "(%s); using %s instead (simulated step %.2f ms)", planner, f"{budget:,}", reasons[0], other,
+                  1e3 * planned.result.step_s)
         return planned
 
     def _least(self, profile: StepProfile, share: Share) -> str:
@@ -246,7 +250,7 @@ class PlanMaker:
             sim = simulate(schedule, shares.own.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
         state.profile, state.plan = profile, plan
         state.executor = executor_for(self.module, plan, profile, schedule=schedule, pool=self.pool,
-                                      replan=self.replan, verify_every=self.cfg.verify_every)
+                                      replan=self.replan, verify_every=self.cfg.verify_every, said=self.said)
         state.prediction = self._prediction(profile, sim, held)
         return sim
 

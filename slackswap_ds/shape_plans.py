@@ -47,6 +47,7 @@ class ShapePlans:
         self.derived_plans = 0  # plans this rank derived for new shapes instead (derive.py)
         self.stale: collections.Counter[ShapeKey] = collections.Counter()  # profiled again for unplanned saves
         self.say_once = SayOnce()
+        self.said_kinds: set[str] = set()  # kinds of own plans said once (_say_own)
 
     @property
     def rank(self) -> int:
@@ -69,10 +70,27 @@ class ShapePlans:
                 log.info("slackswap: %sprofiling %s of input shapes %s (saved tensors go to host for this %s)",
                          "" if stage is None else f"stage {stage} ", what, shapes_of(key), step,
                          extra=None if stage is None else EVERY_RANK)
-        else:
-            log.info("slackswap %s: profiling %s of input shapes %s (saved tensors go to host for this %s; "
-                     "profiled steps %d, derived plans %d)", self.who(), what, shapes_of(key), step,
-                     self.profiled_steps, self.derived_plans, extra=EVERY_RANK)
+        else:  # (the first said; the next at DEBUG, counted in the periodic report)
+            level = logging.DEBUG if "profiling" in self.said_kinds else logging.INFO
+            self.said_kinds.add("profiling")
+            log.log(level, "slackswap %s: profiling %s of input shapes %s (saved tensors go to host for this %s; "
+                    "profiled steps %d, derived plans %d)", self.who(), what, shapes_of(key), step,
+                    self.profiled_steps, self.derived_plans, extra=EVERY_RANK)
+
+    def drop_unread(self, key: ShapeKey, session, events: Events) -> bool:
+        """Whether the profile of a step of several forwards, one of which had no backward (its
+        saves never read: a batch skipped, then the next one), is dropped: it would plan for a
+        forward that steps do not have, so its shapes are profiled again (twice at most: a loop that
+        always leaves one forward unread has it in its steps, and the profile plans for it)."""
+        state = self.cache.get(key)
+        unread = session.unread_forwards()
+        if state is None or not unread or state.profiles_dropped >= 2:
+            return False
+        state.profiles_dropped += 1
+        events.append(Transition.PROFILED_AGAIN)
+        self.say_once("profiled again", logging.INFO, "slackswap: a profiled step had a forward without backward "
+                      "(%d of its %d forwards): its shapes are profiled again", len(unread), len(session.forwards))
+        return True
 
     # ---- from a profile ----------------------------------------------------------------------------------
     def from_profile(self, key: ShapeKey, local: StepProfile, holds: int, events: Events) -> None:
@@ -90,13 +108,15 @@ class ShapePlans:
                 return
             self.plans.install(state, agreed)
             events.append(Transition.PLANNED_ALONE)
-            self._say_own(key, state, "planned from its profile")
+            self._note_fallback(agreed.plan, events)
+            self._say_own(key, state, "planned from its profile", "profiled")
             self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
             return
         record = bool(self.cfg.trace_file and self.rank == 0 and self.coordinator.stage is None)
         agreed = self.plans.agree(local, budget, key)
         sim = self.plans.install(state, agreed, record=record)
         events.append(Transition.AGREED)
+        self._note_fallback(agreed.plan, events)
         self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
         if agreed.ranks == 1 and self.coordinator.group_size() > 1:
             self._say_own(key, state, "planned from its profile (the ranks' shapes differ)")
@@ -135,15 +155,15 @@ class ShapePlans:
             derivation = Derivation(None, f"{type(e).__name__}: {e}")
         if derivation.profile is None:
             self.say_once("underivable " + re.sub(r"\d+", "N", derivation.why), logging.INFO,
-                          "slackswap: new input shapes are profiled, "
-                          "not derived from others' (%s)", derivation.why)
+                          "slackswap: new input shapes are profiled, not derived from others' (%s)", derivation.why)
             return False
         if not self._install_derived(key, derivation.profile, base_key):
             return False
         self.derived_plans += 1
         events.append(Transition.DERIVED)
+        self._note_fallback(self.cache[key].plan, events)
         self._say_own(key, self.cache[key], f"derived from the profile of {shapes_of(base_key)} (no profiled step; "
-                      f"profiled steps {self.profiled_steps}, derived plans {self.derived_plans})")
+                      f"profiled steps {self.profiled_steps}, derived plans {self.derived_plans})", "derived")
         return True
 
     def _install_derived(self, key: ShapeKey, profile: StepProfile, base_key: ShapeKey) -> bool:
@@ -224,15 +244,25 @@ class ShapePlans:
         if self.plans.after_step(state):
             events.append(Transition.REPLANNED)
 
+    def _note_fallback(self, plan, events: Events) -> None:
+        if plan.planner != self.cfg.planner:  # (said once by the plan maker; counted from then on)
+            events.append(Transition.FALLBACK_PLANNER)
+
     # ---- what the log says --------------------------------------------------------------------------------
     def who(self) -> str:
         """`rank r`, or `stage s rank r` under pipeline parallelism."""
         stage = self.coordinator.stage
         return f"rank {self.rank}" if stage is None else f"stage {stage} rank {self.rank}"
 
-    def _say_own(self, key: ShapeKey, state: ShapeState, how: str) -> None:
-        say_own_plan(self.who(), shapes_of(key), state, how, self.plans.holds if self.coordinator.stage is not None
-                     else None, self.device_type)
+    def _say_own(self, key: ShapeKey, state: ShapeState, how: str, kind: str = "") -> None:
+        """A plan of this rank's own; of a `kind` that repeats (a padding collator's new lengths
+        every step: "derived", "profiled"), the first is said and the others are logged at DEBUG
+        and counted in the periodic report (job_report.TALLIED)."""
+        first = not kind or kind not in self.said_kinds
+        self.said_kinds.add(kind)
+        holds = self.plans.holds if self.coordinator.stage is not None else None
+        say_own_plan(self.who(), shapes_of(key), state, how + ("" if not kind else "; the next such are counted in "
+                     "the periodic report"), holds, self.device_type, logging.INFO if first else logging.DEBUG)
 
 
 __all__ = ["Events", "ShapePlans"]

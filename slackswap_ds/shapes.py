@@ -103,6 +103,7 @@ class Transition(enum.Enum):
     TWO_FORWARDS = "a second forward joined a profiled step"
     PROFILED_AGAIN = "a profiled step had a forward without backward: its shapes are profiled again"
     STALE = "a planned step saved tensors its plan's profile does not have: its shapes are profiled again"
+    FALLBACK_PLANNER = "a plan made by a fallback planner (the configured one found none within the budget)"
     UNFINISHED = "micro-batches without backward closed at the step's end"
     COMPILED_ANEW = "the model's compilation changed: plans dropped"
     REPLAY_FAILED = "a replay failed in backward"

@@ -60,7 +60,7 @@ def test_the_first_planned_step_is_reported_then_every_log_every(caplog):
         report.step(plan, prediction, 30, {"host pool exhausted: kept": 2}, "[(2, 8)]", 60)
         report.step(plan, prediction, 30, {}, "[(2, 8)]", 60)
     assert [r.getMessage() for r in caplog.records] == [
-        "slackswap: in the last 2 steps, saved tensors not placed as planned: 2 x host pool exhausted: kept"]
+        "slackswap rank 0: in the last 2 steps, saved tensors not placed as planned: 2 x host pool exhausted: kept"]
 
 
 def test_the_summary_is_said_and_written_once(tmp_path, caplog):
@@ -87,3 +87,86 @@ def test_traces_and_the_summary_go_beside_the_trace_file_and_a_failed_write_is_a
     with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
         assert not write_job_trace(object(), str(tmp_path / "missing" / "t.json"), "measured")
     assert "training goes on without the trace" in caplog.text
+
+
+def test_each_steps_peak_is_held_against_its_own_plans_budget(caplog):
+    """Two plans in one report window: a 50 B peak under a 100 B budget and a 45 B peak under 40 B.
+    The report names the step furthest over its own budget (45 of 40), not the window's highest
+    peak beside the last plan's budget, and counts the steps over theirs."""
+    report = reports(log_every=2)
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        report.step(a_plan(100), Prediction(0.9, 0.012, 60), 50, {}, "[(2, 8)]", 200)  # the job's first: reported
+        report.step(a_plan(100), Prediction(0.9, 0.012, 60), 50, {}, "[(2, 8)]", 200)
+        report.step(a_plan(40), Prediction(0.9, 0.012, 38), 45, {}, "[(2, 4)]", 80)
+    last = [r.getMessage() for r in caplog.records][-1]
+    assert "peak of saved activations 45 B (predicted 38 B, budget 40 B); 1 step(s) over their plan's budget" in last
+
+
+def test_repeated_lifecycle_events_are_counted_into_the_report(caplog):
+    from slackswap_ds.shapes import Transition as T
+
+    report = reports(log_every=3)
+    plan, prediction = a_plan(), Prediction(0.9, 0.012, 35)
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        report.step(plan, prediction, 30, {}, "a", 60)  # (the first is reported at once)
+        for events in ([T.DERIVED, T.PLANNED, T.HELD], [T.DERIVED, T.PLANNED, T.REFITTED], [T.PLANNED]):
+            report.step(plan, prediction, 30, {}, "b", 60, events=events)
+    said = [r.getMessage() for r in caplog.records]
+    assert said[-1] == ("slackswap: since the last report: 2 x a plan derived for new shapes; 1 x a derived plan's "
+                        "dims fitted to its first step, derived again")
+
+
+def test_every_rank_writes_its_own_summary_marked_running_until_the_job_ends(tmp_path, monkeypatch):
+    """Rank 0 at summary_file, rank 1 beside it; from its first step a rank's file says the job
+    runs (an earlier job's file never looks like this one's), then how it ended."""
+    path = tmp_path / "summary.json"
+    path.write_text('{"steps": {"planned": 99}}')  # an earlier job's
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        report = reports(summary_file=str(path))
+        report.started()
+        mine = path if rank == 0 else tmp_path / "summary.rank1.json"
+        assert json.loads(mine.read_text()) == {"state": "running", "rank": rank}
+        report.unplanned("warm-up", 10, {})
+        data = report.end_of_job(state="stopped by SIGTERM")
+        assert json.loads(mine.read_text()) == data and data["state"] == "stopped by SIGTERM" and data["rank"] == rank
+
+
+def test_a_job_stopped_by_sigterm_writes_its_summary_then_ends_by_the_signal(tmp_path):
+    """A scheduler's preemption: SIGTERM ends a Python process without atexit, so no summary was
+    written and the previous job's file stayed, looking current. Now the summary is written, marked
+    as stopped, and then the signal acts as it would have (the process ends by SIGTERM)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from jobs import ROOT, cpu_env
+
+    path = tmp_path / "summary.json"
+    path.write_text('{"steps": {"planned": 99}}')  # the previous job's
+    script = f"""
+import sys, time, torch
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from test_lifecycle import Stack, lifecycle_of, engine_step, x_of
+from slackswap_ds.job_report import at_exit
+model = Stack()
+lifecycle = lifecycle_of(model, summary_file={str(path)!r})
+at_exit(lifecycle.end_of_job)
+for _ in range(3):
+    engine_step(lifecycle, model, x_of(8))
+print("ready", flush=True)
+time.sleep(60)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.strip() == "ready":
+            break
+    assert proc.poll() is None, proc.stdout.read()
+    began = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == -signal.SIGTERM and time.monotonic() - began < 30
+    data = json.loads(path.read_text())
+    assert data["state"] == "stopped by SIGTERM" and data["steps"] == {"warm-up": 1, "profiled": 1, "planned": 1,
+                                                                        "shelter": 0}

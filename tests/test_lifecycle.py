@@ -415,3 +415,16 @@ def test_a_model_compiled_later_is_planned_anew_after_a_warm_up():
     assert lifecycle.events == [T.COMPILED_ANEW, T.WARM_UP, T.WARMED_UP]
     run_pair(lifecycle, model, reference, [8, 8])
     assert lifecycle.events == [T.PLANNED] and lifecycle.compiled == frozenset({"blocks.1"})
+
+
+def test_what_repeats_every_step_is_said_once_and_counted_into_the_report(caplog):
+    """A padding collator's new length every step: the first derived plan is said, the next ones
+    are logged at DEBUG and counted in the periodic report (46 lines for 12 padded steps before)."""
+    model, reference = twins()
+    lifecycle = lifecycle_of(model, log_every=4)
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        run_pair(lifecycle, model, reference, [8, 8, 9, 10, 11, 12, 13, 14, 15, 17])
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("derived from the profile" in m for m in said) == 1
+    assert any(m.startswith("slackswap: since the last report: 4 x a plan derived for new shapes") for m in said)
+    assert len(said) <= 10, said

@@ -61,6 +61,7 @@ from torch.compiler import is_compiling
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import PlanError
+from ..logs import SayOnce
 from ..plan import Decision, Plan, Schedule, lower
 from ..step_profile import StepProfile
 from .aten import meta_of, no_dispatch
@@ -151,7 +152,8 @@ class Executor:
 
     def _setup(self, model: nn.Module, pool: HostPool | None, device: Device | None, *, record: bool = False,
                verify: bool = True, replan: Replan | None = None, takeover: bool = True,
-               observer: Observer | None = None, keep_bytes: int = 0, verify_every: int = 0) -> None:
+               observer: Observer | None = None, keep_bytes: int = 0, verify_every: int = 0,
+               said: SayOnce | None = None) -> None:
         self.model, self.record = model, record  # record: a measured timeline of each step (stats.last_timeline)
         self.takeover, self.observer = takeover, observer
         self.layers, self.regions = find_layers(model), RegionTracker()
@@ -167,7 +169,7 @@ class Executor:
         # (closed: a profiling step is the profile; gradient accumulation runs several)
         self._steps = Steps(self._entries, swaps, verifier, residency, verify=verify, opened=self._step_opened,
                             closed=lambda step: self.observer is not None and self.observer.step_closed(),
-                            verify_every=verify_every)
+                            verify_every=verify_every, said=said)
         self.stats, self._released = self._steps.stats, released
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -430,13 +432,15 @@ class Executor:
 # ---- the entry point ------------------------------------------------------------------------------
 def executor_for(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule: Schedule | None = None,
                  pool: HostPool | None = None, record: bool = False, verify: bool = True, verify_every: int = 0,
-                 replan: Replan | None = None, device: Device | None = None, takeover: bool = True) -> Executor:
+                 replan: Replan | None = None, device: Device | None = None, takeover: bool = True,
+                 said: SayOnce | None = None) -> Executor:
     """Context manager: every step run inside follows `plan`, made for `profile` of this model.
     ``with executor_for(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
 
     `schedule`: the plan's lowering, if the caller has it (else lowered here); `pool` (HostPool;
     default: an unbounded one); `record` (measured timelines); `verify` (check recomputes on the
-    first step); `verify_every` (and again every this many steps: steps.py; 0: never again); `replan` (how to re-plan after a demotion; default: the failed tensors swapped,
+    first step); `verify_every` (and again every this many steps: steps.py; 0: never again); `said` (a
+    SayOnce the executors of one job share: each kind of fallback warned once); `replan` (how to re-plan after a demotion; default: the failed tensors swapped,
     verify.swap_instead; the plain-PyTorch API's is api.replan_without); `device` (default: the
     Device of the model's parameters); `takeover` (checkpoint calls inline, caches off: takeover.py)."""
     if plan.profile_digest != profile.digest:
@@ -448,4 +452,4 @@ def executor_for(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule
     elif schedule.plan != plan:
         raise PlanError("the schedule passed to executor_for() executes another plan")
     return Executor(model, schedule, profile, pool=pool, record=record, verify=verify, replan=replan,
-                    takeover=takeover, device=device, verify_every=verify_every)
+                    takeover=takeover, device=device, verify_every=verify_every, said=said)

@@ -32,7 +32,7 @@ import collections
 import logging
 from typing import Callable, Hashable
 
-from ..logs import log
+from ..logs import SayOnce, job_rank
 from .entries import Entries
 from .program import Program
 from .records import Step
@@ -51,17 +51,18 @@ class Steps:
     `closed` with each closed step that ran without a plan (the profiler's tracer stops there)."""
 
     def __init__(self, entries: Entries, swaps: Swaps, verifier: Verifier, residency: Residency, *, verify: bool,
-                 opened: Callable[[Step], None], closed: Callable[[Step], None], verify_every: int = 0):
+                 opened: Callable[[Step], None], closed: Callable[[Step], None], verify_every: int = 0,
+                 said: SayOnce | None = None):
         self.entries, self.swaps, self.verifier, self.residency = entries, swaps, verifier, residency
         self.verify = verify  # the first step under each plan that recomputes checks its recomputes
         self.verify_every = verify_every  # and every this many steps after (0: never again)
+        self.said = said or SayOnce()  # a kind of fallback is warned once (a job's executors share one)
         self.opened, self.closed = opened, closed
         self.stats = RunStats()
         self.program: Program | None = None  # what new steps run under (None: no plan)
         self.current: Step | None = None  # the step whose forward or backward runs now
         self._verify_next = False
         self._micro_batches: dict[Hashable, Step] = {}  # open steps by micro-batch (start())
-        self._warned: set[str] = set()
 
     def set_program(self, program: Program) -> None:
         self.program = program
@@ -164,11 +165,10 @@ class Steps:
         elif self.verify_every and step.program is not None and self.stats.steps % self.verify_every == 0:
             self.verify_again()  # (nothing recomputed, or verification off: it says no)
         for why, n in stats.fallbacks.items():
-            if why not in self._warned:
-                self._warned.add(why)
-                # a derived plan's first step checks its sizes: a tensor larger than derived, and what
-                # the run-time budget guard then does, are expected there (derive.py, program.py), and
-                # the engine says what it did about it
-                level = logging.INFO if "derived" in why else logging.WARNING
-                log.log(level, "slackswap: %d saved tensor(s) in step %d (%s); counted in stats.fallbacks, %s once",
-                        n, self.stats.steps, why, "warned" if level == logging.WARNING else "said")
+            # a derived plan's first step checks its sizes: a tensor larger than derived, and what the
+            # run-time budget guard then does, are expected there (derive.py, program.py), and the
+            # engine says what it did about it
+            level = logging.INFO if "derived" in why else logging.WARNING
+            self.said(why, level, "slackswap rank %d: %d saved tensor(s) in a step (%s); counted in stats.fallbacks "
+                      "and the job's reports, %s once", job_rank(), n, why,
+                      "warned" if level == logging.WARNING else "said")
