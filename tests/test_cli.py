@@ -417,6 +417,23 @@ def test_sizes_the_simulator_cannot_handle_are_refused_at_once(capsys, argv, sai
     assert said in capsys.readouterr().err and time.perf_counter() - t0 < 10
 
 
+@pytest.mark.parametrize("argv", [
+    ["--seq", "1e8"],  # was refused as not a whole number
+    ["-w", "bert-large", "--seq", "100000000"],  # planned: an OverflowError row, then "over the target of 0 B"
+    ["-w", "gpt2-xl", "--seq", "30000000"],  # "over the target of 8,192 B": byte counts wrapped in 64 bits
+    ["-w", "llama-7b", "--micro-batch", "100000000"],
+    ["-w", "gpt2-xl", "--seq", "100000000", "--pp", "2"],  # a traceback (OverflowError)
+])
+def test_a_shape_over_the_simulators_byte_limit_is_refused_before_any_table(capsys, argv):
+    """A micro-batch whose saved activations pass 2^50 B (1 PiB) is refused with the limit, before
+    anything is printed: beyond it the planners' 64-bit byte counts wrap and print nonsense targets."""
+    assert main(["simulate", *argv, "-p", "slackswap"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "Traceback" not in cap.err
+    assert "of activations for backward, over the simulator's limit of 1,125,899,906,842,624 B (2^50 B" in cap.err
+    assert len(cap.err.strip().splitlines()) == 1
+
+
 def test_the_readmes_simulated_table_is_what_slackswap_simulate_prints(capsys):
     """docs/simulator.md (moved there from the README) quotes `slackswap simulate`; its BERT-Large
     group (every planner, the MILP included) is printed again here and must be the same, character

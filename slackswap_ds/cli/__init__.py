@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -55,13 +56,14 @@ def parse_budget(text: str) -> Budget:
 
 
 def _positive_int(text: str) -> int:
+    """A positive whole number, also written as 1e8 (how large it may be is checked where it is used)."""
     try:
-        v = int(text)
+        v = float(text) if any(c in text for c in ".eE") else int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if v <= 0:
+        v = math.nan
+    if not (isinstance(v, int) or (math.isfinite(v) and v.is_integer())) or v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return v
+    return int(v)
 
 
 # ---- what the arguments name -------------------------------------------------------------------
@@ -153,8 +155,10 @@ def _sweep(args: argparse.Namespace) -> Sweep:
     for p in planners:
         get_planner(p)
     target = _load_target(args.hardware, args.node)
+    par = _parallel(args)
+    profiles = [wl.profile(target.hw, par) for wl in workloads]  # (a shape over the simulator's limits fails here)
     _say_unmeasured_attention(workloads, target.hw)
-    return Sweep(workloads, budgets, planners, target, _parallel(args), bool(args.trace))
+    return Sweep(workloads, profiles, budgets, planners, target, par, bool(args.trace))
 
 
 def _group_table(group: Group, sweep: Sweep) -> list[str]:

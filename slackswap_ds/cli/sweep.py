@@ -200,6 +200,7 @@ class Sweep:
     """What `slackswap simulate` runs: every planner on every (workload, budget), on one target."""
 
     workloads: list[Workload]
+    profiles: list[StepProfile]  # each workload's, on the target's GPU: built (and checked) before any work
     budgets: list[Budget]
     planners: list[str]
     target: Target
@@ -210,8 +211,7 @@ class Sweep:
         """The groups in order, each as soon as its planners are done (progress on stderr)."""
         combos = len(self.workloads) * len(self.budgets)
         done = 0
-        for wi, wl in enumerate(self.workloads):
-            profile = wl.profile(self.target.hw, self.par)
+        for wi, (wl, profile) in enumerate(zip(self.workloads, self.profiles)):
             ka = keep_all_result(profile, self.target.hw)
             for bi, budget in enumerate(self.budgets):
                 t0 = time.perf_counter()
