@@ -91,9 +91,8 @@ class Job:
                 problems.append(f"{f} {v} is over the simulator's limit of {MAX_JOB_DIM} (a step's schedule grows "
                                 f"with it; published runs use at most a few hundred)")
         if not problems and self.stages * self.micro_batches > MAX_STEP_WORK:
-            problems.append(f"pp x chunks x micro_batches is {self.stages * self.micro_batches:,}, over the "
-                            f"simulator's limit of {MAX_STEP_WORK:,} (each stage's forward and backward of each "
-                            f"micro-batch is an event of the simulated step)")
+            problems.append(f"pp x chunks x micro_batches is {self.stages * self.micro_batches:,}, over the simulator"
+                            f"'s limit of {MAX_STEP_WORK:,} (each forward and backward is an event of the step)")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             problems.append(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         elif self.zero == 3 and self.pp > 1:
@@ -267,8 +266,8 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
                profile: StepProfile | None = None, zero_aware: bool = True, holds: int | None = None) -> StagePlan:
     """The stage's plan: one micro-batch's plan made knowing that the stage holds k of them at
     once (the planners' `holds`: the k-1 finished forwards keep their kept bytes), within the
-    stage's budget (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1; inf: no
-    limit). Each micro-batch is simulated with ZeRO-Offload's gradient copies on the link;
+    stage's budget (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1, or a
+    `Budget`; inf: no limit). Each micro-batch is simulated with ZeRO-Offload's gradient copies on the link;
     `zero_aware=False` plans as if they were not there (what a planner that does not read the
     DeepSpeed config would do). `holds`: plan for that many micro-batches instead of k (one plan
     policy for every stage plans each for stage 0's count)."""
@@ -325,18 +324,18 @@ class StepResult:
         return max(p / self.device_budget(d) for d, p in enumerate(self.peaks))
 
 
-def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap",
+def simulate_job(job: Job, node: Node, budget: float | tuple, planner: str = "slackswap",
                  share: Share | None = None, ideal_s: float = float("nan"), zero_aware: bool = True,
                  one_plan: bool = False) -> StepResult:
-    """Plan every stage (one rank of it) and simulate one step of the job on `node`'s hardware.
-    `one_plan`: every stage plans as if it held as many micro-batches as the tightest stage (the
-    first), as one job-wide plan policy would, instead of for its own count."""
-    hw = node.gpu
+    """Plan every stage (one rank of it) within `budget` (`plan_stage`'s, or a tuple of one per (virtual)
+    stage) and simulate one step of the job on `node`'s hardware. `one_plan`: every stage plans as if it
+    held as many micro-batches as the tightest stage (the first), as one job-wide plan policy would."""
+    hw, budgets = node.gpu, budget if isinstance(budget, tuple) else (budget,) * job.stages
     share = share if share is not None else Share.of_node(node)
     if job.gpus > node.gpus and node.internode_busbw == float("inf"):
         raise SlackSwapError(f"node {node.name!r} has no internode_busbw: a {job.gpus}-GPU job spans nodes")
     holds = job.in_flight(0) if one_plan else None
-    stages = tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware, holds=holds)
+    stages = tuple(plan_stage(job, hw, i, budgets[i], planner, share, zero_aware=zero_aware, holds=holds)
                    for i in range(job.stages))
     # point-to-point: one micro-batch's boundary activation, this rank's part (Megatron: 1/tp with
     # the scatter-gather optimisation, Narayanan et al. 4.1; DeepSpeed sends it whole), over this

@@ -33,9 +33,10 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .budget import Budget
+from .budget import AUTO_MARGIN, Budget
 from .errors import SlackSwapError
 from .files import write_atomically
+from .job_memory import device_fits, device_state, tokens_per_s
 from .pipeline import Job, StepResult
 from .plan import Decision, Plan
 from .simulator import SimResult
@@ -277,7 +278,7 @@ def sweep_table(header: list[str], rows: list[dict], paper: str | None) -> list[
 
 
 def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
-              results: list[tuple[str, StepResult | None, str | None]], ideal: float) -> list[str]:
+              results: list[tuple[str, StepResult | None, str | None]], ideal: float, device_bytes: float) -> list[str]:
     """A whole job's step per planner (or why it is infeasible), then each stage under the first planner."""
     cut = f"tp {job.par.tp}{' + sp' if job.par.sp else ''}, pp {job.pp}, dp {job.dp}, zero {job.zero}" + \
         (f", {job.chunks} chunks per device (interleaved)" if job.chunks > 1 else "") + \
@@ -288,16 +289,18 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
     lines = [f"{spec.name} on {node_name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
              f"{spec.micro_batch} x {spec.seq} per step and pipeline, "
              f"{'DeepSpeed PipelineEngine schedule' if job.schedule == 'deepspeed' else '1F1B'}",
-             f"  ideal step {ideal:.3f} s (every activation kept); budget {budget} of each stage's keep-all peak",
+             f"  ideal step {ideal:.3f} s (every activation kept); {_job_budget(job, budget, device_bytes)}",
+             *_job_state_lines(job, device_bytes),
              f"  {'planner':<20}{'thru %':>8}{'step s':>9}{'pipe s':>9}{'grads s':>9}{'optim s':>9}"
-             f"{'worst peak/budget':>19}"]
+             f"{'worst peak/budget':>19}{'tok/s':>11}{'fits':>6}"]
     for planner, res, err in results:
         if res is None:
             lines.append(f"  {planner:<20}{'-':>8}  infeasible: {err}")
             continue
-        worst = res.worst_peak_ratio
+        worst, fit = res.worst_peak_ratio, all(device_fits(job, res, device_bytes))
         lines.append(f"  {planner:<20}{100 * res.throughput:>8.1f}{res.step_s:>9.3f}{res.pipeline_s:>9.3f}"
-                     f"{res.grad_comm_s:>9.3f}{res.optimizer_s:>9.3f}{worst:>19.3f}")
+                     f"{res.grad_comm_s:>9.3f}{res.optimizer_s:>9.3f}{worst:>19.3f}"
+                     f"{tokens_per_s(job, res):>11,.0f}{'yes' if fit else 'NO':>6}")
     for planner, res, _ in results:
         if res is None or planner != results[0][0]:
             continue
@@ -306,17 +309,58 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
     return lines
 
 
+def _job_budget(job: Job, budget: Budget, device_bytes: float) -> str:
+    split = f", split evenly among its {job.chunks} chunks" if job.chunks > 1 else ""
+    if budget.is_fraction:
+        return f"budget {budget} of each stage's keep-all peak"
+    if budget.is_auto:
+        return (f"budget auto: each GPU's {gb(device_bytes)} less what it holds beside its activations (below) and "
+                f"{AUTO_MARGIN:.0%} of it{split}")
+    return f"budget {gb(int(budget.value))} per GPU{split}"
+
+
+ZERO_SHARDS = {0: "no ZeRO", 1: "ZeRO 1 shards the optimizer state over dp {dp}",
+               2: "ZeRO 2 shards the gradients and the optimizer state over dp {dp}",
+               3: "ZeRO 3 shards all three over dp {dp}"}
+
+
+def _job_state_lines(job: Job, device_bytes: float) -> list[str]:
+    """What each GPU holds beside its saved activations (`job_memory`), and what "fits" counts."""
+    states = [device_state(job, d) for d in range(job.pp)]
+
+    def amount(values: list[int]) -> str:
+        return gb(min(values)) if min(values) == max(values) else f"{gb(min(values))} to {gb(max(values))}"
+
+    what = ("16-bit weights; the optimizer state and the gradients on the host: ZeRO-Offload" if job.offload_optimizer
+            else "16 B per parameter: 16-bit weights and gradients, Adam's fp32 master, m and v")
+    line = f"  model state per GPU {amount([s.state_bytes for s in states])} ({what}; " + \
+        ZERO_SHARDS[job.zero].format(dp=job.dp) + ")"
+    if any(s.gathered for s in states):
+        line += (f" + {amount([s.gathered for s in states])} of 16-bit parameters gathered (ZeRO 3: the region "
+                 f"running and the one prefetched)")
+    held = max(s.total_bytes for s in states)
+    room = ("the model state alone does not fit (shard it: --dp with --zero)" if held >= device_bytes
+            else f"activations up to {gb(device_bytes - held)} fit beside it")
+    per_stage = " (per stage: state GB below)" if len({s.total_bytes for s in states}) > 1 else ""
+    return [f"{line} of the GPU's {gb(device_bytes)}{per_stage}: {room}",
+            "  fits: that and the plan's simulated peak of saved activations within the GPU's memory (not counted: "
+            "backward's temporaries, communication buffers, the allocator's fragmentation, the CUDA context)"]
+
+
 def _stage_lines(planner: str, res: StepResult) -> list[str]:
-    interleaved = " (interleaved: peak GB is the whole device's, all its chunks)" if res.job.chunks > 1 else ""
+    interleaved = (" (interleaved: peak GB and state GB are the whole device's, all its chunks)" if res.job.chunks > 1
+                   else "")
+    state = "model state and gathered parameters" if res.job.zero == 3 and res.job.dp > 1 else "model state"
     lines = [f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, "
-             f"recompute){interleaved}:",
-             "    stage  layers   in-flight  keep-all GB  budget GB  peak GB  kept GB/mb  swap GB/mb  "
+             f"recompute; state GB: the GPU's {state}){interleaved}:",
+             "    stage  layers   in-flight  keep-all GB  budget GB  peak GB  state GB  kept GB/mb  swap GB/mb  "
              "recomp ms  fwd ms  bwd ms  plan"]
     for i, s in enumerate(res.stages):
         swap = s.plan.bytes_by_decision(s.profile)[Decision.SWAP]
+        held = device_state(res.job, i % res.job.pp).total_bytes
         lines.append(f"    {i:>5}  {s.layers.start:>3}-{s.layers.stop - 1:<3}  {s.in_flight:>9}  "
                      f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  "
-                     f"{res.stage_device_peak(i) / GB:>7.2f}  "
+                     f"{res.stage_device_peak(i) / GB:>7.2f}  {held / GB:>8.2f}  "
                      f"{s.kept_bytes / GB:>10.2f}  {swap / GB:>10.2f}  {s.result.recompute_s * 1e3:>9.1f}  "
                      f"{s.fwd_s * 1e3:>6.1f}  {s.bwd_s * 1e3:>6.1f}  {s.plan.digest[:12]}")
     return lines
