@@ -22,7 +22,7 @@ a row per planner, then the stages under the first one) and `plan_summary` (one 
 rows already computed, shaped as `slackswap simulate --json` prints them; nothing here plans or
 simulates.
 
-No torch; matplotlib is imported only by `plot_sweep`.
+No torch; matplotlib (setup.cfg's `plot` extra) is imported only to draw a plot.
 """
 
 from __future__ import annotations
@@ -30,11 +30,12 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from .budget import AUTO_MARGIN, Budget
-from .errors import SlackSwapError
+from .errors import SlackSwapError, import_extra
 from .files import write_atomically
 from .job_memory import device_fits, device_state, tokens_per_s
 from .pipeline import Job, StepResult
@@ -47,10 +48,11 @@ STREAM_TIDS = {"compute": 1, "d2h": 2, "h2d": 3}
 MEMORY_COUNTER = "device activation bytes"
 BUDGET_COUNTER = "device activation budget"
 TRACE_FORMAT = "slackswap.trace/1"
+GB = 1e9
 
 
 class ReportError(SlackSwapError):
-    """A report that cannot be produced (e.g. plotting without matplotlib installed)."""
+    """A report that cannot be produced (e.g. a plot or a trace that cannot be written)."""
 
 
 def _us(seconds: float) -> float:
@@ -133,51 +135,25 @@ def trace_busy_us(trace: Mapping, stream: str = "compute", gpu: int = 0) -> floa
 
 
 # ---- plots -------------------------------------------------------------------------------------
+def require_matplotlib(needed_by: str = "plotting") -> None:
+    """MissingExtraError naming `pip install 'slackswap_ds[plot]'` unless matplotlib can be imported:
+    for a command to call before any work."""
+    import_extra("matplotlib", "plot", needed_by)
+
+
 def _figure(ncols: int, nrows: int, width: float, height: float):
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ReportError("plots need matplotlib: pip install matplotlib") from e
-    fig = Figure(figsize=(width, height))
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")  # (the layout leaves room for titles and legends)
     FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global state
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
 def plot_sweep(rows: Iterable[Mapping], path: str | Path) -> Path:
-    """PNG: throughput (% of ideal) against budget, one subplot per workload, one line per planner.
-
-    `rows` are the objects `slackswap simulate --json` prints. The x axis is the budget as a % of
-    the keep-all peak when every budget is a fraction, else the budget in GB. Rows without a
-    throughput (the planner found the budget infeasible) leave gaps; with several hardware the
-    lines are labelled ``planner @ hardware``."""
-    rows = [dict(r) for r in rows]
-    if not rows:
-        raise ReportError("plot_sweep: no rows to plot")
-    fractions = all(isinstance(r["budget"], (int, float)) and 0 < r["budget"] <= 1 for r in rows)
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    hardware = list(dict.fromkeys(r["hardware"] for r in rows))
-    fig, axes = _figure(len(workloads), 1, 4.2 * len(workloads) + 0.8, 3.8)
-    for ax, w in zip(axes[0], workloads):
-        lines: dict[str, list[tuple[float, float]]] = {}
-        for r in rows:
-            if r["workload"] != w:
-                continue
-            label = r["planner"] if len(hardware) == 1 else f"{r['planner']} @ {r['hardware']}"
-            x = 100 * r["budget"] if fractions else r["budget_bytes"] / 1e9
-            tp = r.get("throughput_pct")
-            y = float(tp) if tp is not None and r.get("feasible", True) else math.nan
-            lines.setdefault(label, []).append((x, y))
-        for label, pts in lines.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
-        ax.set_title(w)
-        ax.set_xlabel("budget (% of keep-all peak)" if fractions else "budget (GB)")
-        ax.set_ylabel("throughput (% of ideal)")
-        ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize="small")
-    fig.suptitle(f"simulated throughput vs activation budget ({', '.join(hardware)})")
-    fig.tight_layout()
+    """PNG of `sweep_figure(rows)`; ReportError if it cannot be written."""
+    fig = sweep_figure(rows)
     path = Path(path)
     try:
         fig.savefig(path, format="png", dpi=120)
@@ -186,8 +162,59 @@ def plot_sweep(rows: Iterable[Mapping], path: str | Path) -> Path:
     return path
 
 
+def sweep_figure(rows: Iterable[Mapping]):
+    """Throughput (% of ideal) against budget, one subplot per workload, one line per planner.
+
+    `rows` are the objects `slackswap simulate --json` prints. When every budget is a fraction, the
+    bottom x axis is the budget as a % of the keep-all peak and the top one the same budget in GB
+    (of that workload's keep-all peak); else the bottom one is the budget in GB. Rows without a
+    throughput (the planner found the budget infeasible) leave gaps; with several hardware the
+    lines are labelled ``planner @ hardware``. The title is wrapped to the figure's width."""
+    rows = [dict(r) for r in rows]
+    if not rows:
+        raise ReportError("plot_sweep: no rows to plot")
+    fractions = all(isinstance(r["budget"], (int, float)) and 0 < r["budget"] <= 1 for r in rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    hardware = list(dict.fromkeys(r["hardware"] for r in rows))
+    labels = list(dict.fromkeys(r["planner"] if len(hardware) == 1 else f"{r['planner']} @ {r['hardware']}"
+                                for r in rows))
+    width = 4.2 * len(workloads) + 0.8
+    ncol = max(1, min(len(labels), int(width // 2.1)))  # the legend below the plots, a column per ~2 in
+    fig, axes = _figure(len(workloads), 1, width, 4.2 + 0.22 * -(-len(labels) // ncol))
+    for ax, w in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == w]
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in mine:
+            label = r["planner"] if len(hardware) == 1 else f"{r['planner']} @ {r['hardware']}"
+            x = 100 * r["budget"] if fractions else r["budget_bytes"] / GB
+            tp = r.get("throughput_pct")
+            y = float(tp) if tp is not None and r.get("feasible", True) else math.nan
+            lines.setdefault(label, []).append((x, y))
+        for label, pts in lines.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
+        ax.set_title(w)
+        ax.set_ylabel("throughput (% of ideal)")
+        ax.grid(True, alpha=0.3)
+        if not fractions:
+            ax.set_xlabel("budget (GB of saved activations)")
+            continue
+        ax.set_xlabel("budget (% of the keep-all peak)")
+        keep_all = mine[0]["budget_bytes"] / mine[0]["budget"] / GB  # GB: budget_bytes is int(fraction x keep-all)
+        if keep_all <= 0:
+            continue
+        top = ax.secondary_xaxis("top", functions=(lambda pct, k=keep_all: pct * k / 100,
+                                                   lambda gb_, k=keep_all: gb_ * 100 / k))
+        top.set_xlabel(f"budget (GB; keep-all peak {keep_all:.2f} GB)")
+    handles = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    drawn = [label for label in labels if label in handles]
+    fig.legend([handles[label] for label in drawn], drawn, loc="outside lower center", ncol=ncol, fontsize="small")
+    title = f"simulated throughput vs activation budget on {', '.join(hardware)}"
+    fig.suptitle(textwrap.fill(title, width=int(width * 8)))  # about 8 characters per inch at 12 pt
+    return fig
+
+
 # ---- tables ------------------------------------------------------------------------------------
-GB = 1e9
 
 # SlackSwap (arXiv 2610.13003): simulated A100 + PCIe 4.0, budget 50% of the keep-all peak.
 PAPER = "SlackSwap arXiv 2610.13003, simulated A100 + PCIe 4.0, 50% budget"

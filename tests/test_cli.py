@@ -238,6 +238,46 @@ def test_plot_option(capsys, tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_without_matplotlib_fails_first_and_names_the_extra(capsys, monkeypatch, tmp_path):
+    """--plot without matplotlib (`.[test]` does not install it) printed every table and then failed
+    with "plots need matplotlib: pip install matplotlib": now it fails before any work, on one line
+    naming the `plot` extra."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    path = tmp_path / "sweep.png"
+    assert main(["simulate", *SMALL, "--planner", "full-recompute", "--plot", str(path)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and not path.exists()
+    assert cap.err.startswith("slackswap: error: --plot needs matplotlib, which cannot be imported here (")
+    assert cap.err.endswith("): pip install 'slackswap_ds[plot]'\n") and len(cap.err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("budgets, gb_axis", [(["0.4", "0.8"], "top"), (["100MB", "auto"], "bottom")])
+def test_the_sweep_plot_keeps_its_title_inside_and_shows_the_budget_in_gb(capsys, budgets, gb_axis):
+    """The title of a one-workload plot ran past both edges of the figure; with fractions the x axis
+    had no GB. Now the title is wrapped to the figure's width, and GB is on the top axis (of the
+    workload's keep-all peak) when the bottom one is a % of it."""
+    pytest.importorskip("matplotlib")
+    from slackswap_ds.sim_report import sweep_figure
+
+    rows = run_json(capsys, *SMALL, "--planner", "slackswap", "full-recompute", "--budget", *budgets)
+    fig = sweep_figure(rows)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (title,) = [t for t in fig.texts if "simulated throughput" in t.get_text()]
+    box, inside = fig.bbox, title.get_window_extent(renderer)
+    assert box.x0 <= inside.x0 and inside.x1 <= box.x1 and inside.y1 <= box.y1
+    (ax,) = fig.axes[:1]
+    if gb_axis == "top":
+        assert ax.get_xlabel() == "budget (% of the keep-all peak)"
+        (top,) = ax.child_axes
+        keep_all = rows[0]["budget_bytes"] / rows[0]["budget"] / 1e9
+        assert top.get_xlabel() == f"budget (GB; keep-all peak {keep_all:.2f} GB)"
+    else:
+        assert ax.get_xlabel() == "budget (GB of saved activations)"
+
+
 def test_native_solver_chatter_stays_off_stdout(capfd, monkeypatch):
     """Native code (HiGHS) prints on file descriptor 1; --json output must still parse."""
     import os

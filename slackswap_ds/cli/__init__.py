@@ -37,7 +37,7 @@ from ..errors import SlackSwapError
 from ..hardware import load_hardware, load_node, preset_names
 from ..pipeline import Job
 from ..planners import PLANNERS, get_planner, keep_all_result
-from ..sim_report import job_table, paper_line, plan_summary, sweep_header, sweep_table
+from ..sim_report import job_table, paper_line, plan_summary, require_matplotlib, sweep_header, sweep_table
 from ..workloads import Parallel, preset_spec, presets, workload_names
 from .job_plans import replan, say
 from .sweep import Group, Sweep, Target, Traced, Workload, job_groups, job_row, native_stdout_to_stderr
@@ -175,6 +175,8 @@ def _group_table(group: Group, sweep: Sweep) -> list[str]:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if _is_job(args):
         return cmd_simulate_job(args)
+    if args.plot:
+        require_matplotlib("--plot")  # before any work: not after every table is printed
     sweep = _sweep(args)
     rows: list[dict] = []
     traced: Traced | None = None
@@ -412,7 +414,8 @@ def _add_simulate_parser(sub) -> None:
     sim.add_argument("--json", action="store_true", help="print a JSON list of rows instead of tables")
     sim.add_argument("--trace", metavar="FILE",
                      help="write the Chrome/Perfetto trace of the slackswap step for the first workload and budget")
-    sim.add_argument("--plot", metavar="FILE", help="write a PNG of throughput vs budget (needs matplotlib)")
+    sim.add_argument("--plot", metavar="FILE", help="write a PNG of throughput vs budget (needs matplotlib: "
+                                                    "pip install 'slackswap_ds[plot]')")
     sim.set_defaults(func=cmd_simulate)
 
 
