@@ -5,7 +5,7 @@ import cycles; no module imports another module's underscore names; core and pla
 torch (tests/test_structure.py holds the package to this block and to the map below):
 
     core         errors files budget shares step_profile derive attention_rates hardware plan model_config plan_file workloads
-    planning     simulator planners schedules sharded deepspeed_pipe pipeline sim_report
+    planning     simulator planners schedules sharded deepspeed_pipe pipeline job_memory sim_report
     runtime      logs runtime checkpointing bucketing topology node_facts channels agreement
     integration  config deepspeed_api compatibility machine coordination shapes plan_maker job_report shape_plans lifecycle api engine stages routing run autoroute
     entry        cli
@@ -30,6 +30,7 @@ The map, one line per module (the one map: README.md and docs/ link here):
     sharded         ZeRO-3 / FSDP: a micro-batch with its parameter gathers and gradient reduce-scatters
     deepspeed_pipe  DeepSpeed's PipelineEngine schedule: lockstep steps, blocking sends, tied-weight reduce
     pipeline        whole jobs: TP, SP, PP (1F1B or DeepSpeed's), DP, ZeRO 0-3 and ZeRO-Offload
+    job_memory      one GPU of a whole job: its model state by ZeRO stage, its stages' budgets, whether it fits
     sim_report      traces, plots and the text tables of `slackswap simulate`
     logs            the slackswap_ds logger: which rank says what, said once per job
     runtime/        plans run for real: executor, steps, entries, swaps, calls, replay, verify,

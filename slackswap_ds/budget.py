@@ -212,16 +212,23 @@ def model_state_bytes(params: int, zero: int = 0, dp: int = 1) -> int:
     """Device bytes of one rank's model state for `params` weight elements: ZeRO stage 1 shards
     the optimizer state over the `dp` data-parallel ranks, stage 2 the gradients too, stage 3 the
     weights too (the ZeRO paper's 4 + K, 2 + (2 + K) / dp, (4 + K) / dp bytes per parameter)."""
+    return sum(model_state_parts(params, zero, dp))
+
+
+def model_state_parts(params: int, zero: int = 0, dp: int = 1) -> tuple[int, int, int]:
+    """`model_state_bytes` as (weights, gradients, optimizer state), each sharded by its ZeRO stage."""
     if zero not in (0, 1, 2, 3) or isinstance(zero, bool) or dp < 1:
         raise ValueError(f"zero must be 0-3 and dp >= 1, got zero {zero!r}, dp {dp!r}")
     shard = [1, 1, 1]  # weights, gradients, optimizer
     for stage, part in ((1, 2), (2, 1), (3, 0)):
         if zero >= stage:
             shard[part] = dp
-    return sum(-(-params * b // n) for b, n in zip((WEIGHT_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES), shard))
+    weights, grads, optimizer = (-(-params * b // n) for b, n in zip((WEIGHT_BYTES, GRADIENT_BYTES,
+                                                                       OPTIMIZER_BYTES), shard))
+    return weights, grads, optimizer
 
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "AUTO", "AUTO_MARGIN", "CPU_ADAM_BYTES_PER_PARAM", "GATHER_BYTES_PER_PARAM",
            "GRAD_BYTES", "MASTER_BYTES", "PINNED_OPTIMIZER_BYTES_PER_PARAM", "Budget", "auto_budget_bytes",
-           "budget_bytes", "model_state_bytes", "parse_budget_value", "parse_optional_size", "parse_size",
-           "resolve_budget"]
+           "budget_bytes", "model_state_bytes", "model_state_parts", "parse_budget_value", "parse_optional_size",
+           "parse_size", "resolve_budget"]

@@ -13,9 +13,16 @@ import zlib
 from typing import Callable, Sequence
 
 from .agreement import AgreementError
+from .errors import import_extra
 
 _TAG_BASE, _TAG_SPAN = 7000, 20000  # MPI tags of our messages: MPI guarantees tags up to 32767
 _TAG_SHOUT = _TAG_BASE - 1  # below every message tag: a shout never matches a message
+
+
+def mpi_module():
+    """mpi4py's MPI module; MissingExtraError naming `pip install 'slackswap_ds[mpi]'` if it cannot
+    be imported (mpi4py is the `mpi` extra's: a single-node job never needs it)."""
+    return import_extra("mpi4py.MPI", "mpi", 'the MPI transport of the plan agreement ("sync": "mpi")')
 
 
 class MpiChannel:
@@ -23,8 +30,7 @@ class MpiChannel:
     other, so successive rounds need no numbering; a name's tag is a hash of the name."""
 
     def __init__(self, comm=None, members: Sequence[int] | None = None):
-        from mpi4py import MPI
-
+        MPI = mpi_module()
         self.mpi = MPI
         self.comm = comm or MPI.COMM_WORLD
         self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()

@@ -193,8 +193,9 @@ class SlackSwapConfig(BaseModel):
     )
     sync: Literal["auto", "mpi", "torch"] = Field(
         "auto",
-        description='How the ranks of a node agree on one plan: `"mpi"` (mpi4py), `"torch"` '
-        '(torch.distributed), or `"auto"` (MPI when launched under MPI, else torch.distributed).',
+        description='How the ranks of a node agree on one plan: `"mpi"` (mpi4py, the `mpi` extra: '
+        '`pip install \'slackswap_ds[mpi]\'`), `"torch"` (torch.distributed), or `"auto"` (MPI when launched '
+        'under MPI with mpi4py installed, else torch.distributed).',
         json_schema_extra=_doc('"auto", "mpi" or "torch"', "auto"),
     )
     sync_timeout_s: float = Field(

@@ -125,9 +125,9 @@ class Coordinator:
         call it as DeepSpeed starts); else None."""
         if self.sync != "mpi":
             return None
-        from mpi4py import MPI
+        from .channels import mpi_module
 
-        world = MPI.COMM_WORLD
+        world = mpi_module().COMM_WORLD
         return world.Split(color, world.Get_rank())
 
     def group_channel(self, members: list[int], name: str, communicator=None) -> Channel:
@@ -295,6 +295,10 @@ def _transport(sync: str) -> str:
         raise AgreementError('"sync": "mpi" needs a job launched by MPI (mpirun / mpiexec, srun --mpi, or '
                              'deepspeed --launcher mpich / openmpi), and this process was not (none of '
                              f'{", ".join(MPI_LAUNCH_VARS)} is set); use "sync": "auto" or "torch"')
+    if sync == "mpi":  # mpi4py is the `mpi` extra's: said now, not at the first exchange
+        from .channels import mpi_module
+
+        mpi_module()
     return sync
 
 

@@ -2,6 +2,7 @@
 
 
 import difflib
+import importlib
 
 
 def did_you_mean(word: str, choices: list[str]) -> str:
@@ -43,3 +44,19 @@ class PlanError(SlackSwapError, ValueError):
 
 class BudgetInfeasibleError(SlackSwapError):
     """A planner cannot meet the memory budget at all (e.g. the non-recomputable bytes alone exceed it)."""
+
+
+class MissingExtraError(SlackSwapError, ImportError):
+    """An optional dependency that cannot be imported: the message names the extra that installs it."""
+
+
+def import_extra(module: str, extra: str, needed_by: str):
+    """`module`, imported; if it cannot be, a MissingExtraError saying what needs it and
+    `pip install 'slackswap_ds[extra]'` (setup.cfg's extras)."""
+    top = module.split(".")[0]
+    try:
+        importlib.import_module(top)  # first: a package set to None in sys.modules hides its loaded submodules too
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise MissingExtraError(f"{needed_by} needs {top}, which cannot be imported here ({e}): "
+                                f"pip install 'slackswap_ds[{extra}]'") from e

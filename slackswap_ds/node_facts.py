@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from .channels import mpi_module
 from .hardware import Hardware
 from .shares import Share, split_node
 
@@ -65,8 +66,7 @@ class Layout:
 def node_layout(comm=None, ranks_per_node: int | None = None) -> tuple[Layout, object]:
     """(Layout, node-local communicator). Ranks on one host share memory (MPI COMM_TYPE_SHARED);
     `ranks_per_node` overrides that grouping (consecutive ranks), for tests and unusual launchers."""
-    from mpi4py import MPI
-
+    MPI = mpi_module()
     comm = comm or MPI.COMM_WORLD
     rank, world = comm.Get_rank(), comm.Get_size()
     if ranks_per_node:

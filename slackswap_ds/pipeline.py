@@ -37,7 +37,6 @@ Every rate comes from the hardware presets; the step is deterministic.
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass, field
 
 from . import sharded
@@ -49,7 +48,8 @@ from .hardware import Node
 from .plan import Decision, Instr, Kind, Plan, Schedule
 from .planners import get_planner
 # (one_f_one_b, simulate_pipeline and stage_peaks are imported from here too)
-from .schedules import PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_peaks  # noqa: F401
+from .schedules import (PipeEvent, interleaved_order, one_f_one_b, simulate_pipeline, stage_ends,  # noqa: F401
+                        stage_peaks)
 from .shares import PRIVATE, Share
 from .simulator import SimResult, simulate
 from .step_profile import StepProfile
@@ -57,6 +57,7 @@ from .workloads import ModelSpec, Parallel, region_params, transformer_profile
 
 SCHEDULES = ("1f1b", "deepspeed")  # Megatron's 1F1B; DeepSpeed's PipelineEngine TrainSchedule
 MAX_JOB_DIM = 4096  # pp, dp and micro-batches a job may have here (published runs use at most a few hundred)
+MAX_STEP_WORK = 2**17  # (virtual) stages x micro-batches: forwards in a step, each an event with its backward
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,9 @@ class Job:
             elif v > MAX_JOB_DIM:
                 problems.append(f"{f} {v} is over the simulator's limit of {MAX_JOB_DIM} (a step's schedule grows "
                                 f"with it; published runs use at most a few hundred)")
+        if not problems and self.stages * self.micro_batches > MAX_STEP_WORK:
+            problems.append(f"pp x chunks x micro_batches is {self.stages * self.micro_batches:,}, over the simulator"
+                            f"'s limit of {MAX_STEP_WORK:,} (each forward and backward is an event of the step)")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             problems.append(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         elif self.zero == 3 and self.pp > 1:
@@ -262,8 +266,8 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
                profile: StepProfile | None = None, zero_aware: bool = True, holds: int | None = None) -> StagePlan:
     """The stage's plan: one micro-batch's plan made knowing that the stage holds k of them at
     once (the planners' `holds`: the k-1 finished forwards keep their kept bytes), within the
-    stage's budget (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1; inf: no
-    limit). Each micro-batch is simulated with ZeRO-Offload's gradient copies on the link;
+    stage's budget (`budget`: a fraction of the stage's keep-all peak, or bytes when > 1, or a
+    `Budget`; inf: no limit). Each micro-batch is simulated with ZeRO-Offload's gradient copies on the link;
     `zero_aware=False` plans as if they were not there (what a planner that does not read the
     DeepSpeed config would do). `holds`: plan for that many micro-batches instead of k (one plan
     policy for every stage plans each for stage 0's count)."""
@@ -320,18 +324,18 @@ class StepResult:
         return max(p / self.device_budget(d) for d, p in enumerate(self.peaks))
 
 
-def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap",
+def simulate_job(job: Job, node: Node, budget: float | tuple, planner: str = "slackswap",
                  share: Share | None = None, ideal_s: float = float("nan"), zero_aware: bool = True,
                  one_plan: bool = False) -> StepResult:
-    """Plan every stage (one rank of it) and simulate one step of the job on `node`'s hardware.
-    `one_plan`: every stage plans as if it held as many micro-batches as the tightest stage (the
-    first), as one job-wide plan policy would, instead of for its own count."""
-    hw = node.gpu
+    """Plan every stage (one rank of it) within `budget` (`plan_stage`'s, or a tuple of one per (virtual)
+    stage) and simulate one step of the job on `node`'s hardware. `one_plan`: every stage plans as if it
+    held as many micro-batches as the tightest stage (the first), as one job-wide plan policy would."""
+    hw, budgets = node.gpu, budget if isinstance(budget, tuple) else (budget,) * job.stages
     share = share if share is not None else Share.of_node(node)
     if job.gpus > node.gpus and node.internode_busbw == float("inf"):
         raise SlackSwapError(f"node {node.name!r} has no internode_busbw: a {job.gpus}-GPU job spans nodes")
     holds = job.in_flight(0) if one_plan else None
-    stages = tuple(plan_stage(job, hw, i, budget, planner, share, zero_aware=zero_aware, holds=holds)
+    stages = tuple(plan_stage(job, hw, i, budgets[i], planner, share, zero_aware=zero_aware, holds=holds)
                    for i in range(job.stages))
     # point-to-point: one micro-batch's boundary activation, this rank's part (Megatron: 1/tp with
     # the scatter-gather optimisation, Narayanan et al. 4.1; DeepSpeed sends it whole), over this
@@ -355,9 +359,9 @@ def simulate_job(job: Job, node: Node, budget: float, planner: str = "slackswap"
     pipeline_s = max(e.end for e in events)
     peaks = tuple(stage_peaks(events, [s.kept_bytes for s in stages], [s.result.peak_bytes for s in stages],
                               job.chunks))
-    finish = [max(e.end for e in events if e.stage == i) for i in range(job.stages)]
+    finish, last_backward = stage_ends(events, job.stages)  # (one pass: a step has pp x m events or more)
     if job.dp > 1 and job.zero < 3:
-        finish = [_reduce_gradients(job, hw, node, st, events, one_node) for st in stages]
+        finish = [_reduce_gradients(job, hw, node, st, last_backward[st.stage], one_node) for st in stages]
     grad_comm_s = max(finish) - pipeline_s  # what gradient reduction adds after the pipeline drains
     grad_comm_s += tied_reduce_s(job, hw, node, one_node) if deepspeed else 0.0
     # the slowest device sets the pace
@@ -382,14 +386,12 @@ def logit_metric_s(job: Job, hw) -> float:
     return hw.elementwise_s(logits * (2 + 4 + 4 + 4)) + 2 * hw.kernel_overhead_s
 
 
-def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, events: tuple[PipeEvent, ...],
-                      one_node: bool) -> float:
+def _reduce_gradients(job: Job, hw, node: Node, st: StagePlan, last: PipeEvent, one_node: bool) -> float:
     """When stage `st`'s replicas have reduced their gradients (all-reduce, or reduce-scatter +
     all-gather with ZeRO >= 1: 2(n-1)/n of the buffer either way), over NVLink on one node, else
     over the network links of its ranks on each node. One bucket per region, sent in backward order, each as soon
     as the last micro-batch's backward of its region is done when `overlap_grad_comm` (that backward
     then slower beside them, `sharded.backward_with_reductions`), else all after the stage's last backward."""
-    last = max((e for e in events if e.stage == st.stage and e.kind == "B"), key=lambda e: e.end)
     params, per_node = job.region_params(st.stage), job.dp_ranks_per_node(node.gpus)
     _, bwd = _region_times(st.profile)
     order = sorted(bwd, key=lambda r: -st.profile.region_last_op[r])  # backward visits regions in reverse

@@ -99,6 +99,19 @@ def simulate_pipeline(fwd_s: list[float], bwd_s: list[float], micro_batches: int
     return tuple(sorted(events, key=lambda e: (e.start, e.stage)))
 
 
+def stage_ends(events: tuple[PipeEvent, ...], stages: int) -> tuple[list[float], list[PipeEvent | None]]:
+    """Per (virtual) stage, in one pass over the step's events: when its last event ends, and its
+    last backward (the first of them if several end together; None if it has none)."""
+    ends: list[float] = [0.0] * stages
+    last_backward: list[PipeEvent | None] = [None] * stages
+    for e in events:
+        ends[e.stage] = max(ends[e.stage], e.end)
+        last = last_backward[e.stage]
+        if e.kind == "B" and (last is None or e.end > last.end):
+            last_backward[e.stage] = e
+    return ends, last_backward
+
+
 def stage_peaks(events: tuple[PipeEvent, ...], kept: list[int], peak: list[int], chunks: int = 1) -> list[int]:
     """Each device's peak activation bytes over the step's events: every (virtual) stage s of the
     device holds `kept[s]` bytes per micro-batch whose forward ended and whose backward has not; the

@@ -22,7 +22,7 @@ a row per planner, then the stages under the first one) and `plan_summary` (one 
 rows already computed, shaped as `slackswap simulate --json` prints them; nothing here plans or
 simulates.
 
-No torch; matplotlib is imported only by `plot_sweep`.
+No torch; matplotlib (setup.cfg's `plot` extra) is imported only to draw a plot.
 """
 
 from __future__ import annotations
@@ -30,12 +30,14 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from .budget import Budget
-from .errors import SlackSwapError
+from .budget import AUTO_MARGIN, Budget
+from .errors import SlackSwapError, import_extra
 from .files import write_atomically
+from .job_memory import device_fits, device_state, tokens_per_s
 from .pipeline import Job, StepResult
 from .plan import Decision, Plan
 from .simulator import SimResult
@@ -46,10 +48,11 @@ STREAM_TIDS = {"compute": 1, "d2h": 2, "h2d": 3}
 MEMORY_COUNTER = "device activation bytes"
 BUDGET_COUNTER = "device activation budget"
 TRACE_FORMAT = "slackswap.trace/1"
+GB = 1e9
 
 
 class ReportError(SlackSwapError):
-    """A report that cannot be produced (e.g. plotting without matplotlib installed)."""
+    """A report that cannot be produced (e.g. a plot or a trace that cannot be written)."""
 
 
 def _us(seconds: float) -> float:
@@ -132,51 +135,25 @@ def trace_busy_us(trace: Mapping, stream: str = "compute", gpu: int = 0) -> floa
 
 
 # ---- plots -------------------------------------------------------------------------------------
+def require_matplotlib(needed_by: str = "plotting") -> None:
+    """MissingExtraError naming `pip install 'slackswap_ds[plot]'` unless matplotlib can be imported:
+    for a command to call before any work."""
+    import_extra("matplotlib", "plot", needed_by)
+
+
 def _figure(ncols: int, nrows: int, width: float, height: float):
-    try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ReportError("plots need matplotlib: pip install matplotlib") from e
-    fig = Figure(figsize=(width, height))
+    require_matplotlib()
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), layout="constrained")  # (the layout leaves room for titles and legends)
     FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global state
     return fig, fig.subplots(nrows, ncols, squeeze=False)
 
 
 def plot_sweep(rows: Iterable[Mapping], path: str | Path) -> Path:
-    """PNG: throughput (% of ideal) against budget, one subplot per workload, one line per planner.
-
-    `rows` are the objects `slackswap simulate --json` prints. The x axis is the budget as a % of
-    the keep-all peak when every budget is a fraction, else the budget in GB. Rows without a
-    throughput (the planner found the budget infeasible) leave gaps; with several hardware the
-    lines are labelled ``planner @ hardware``."""
-    rows = [dict(r) for r in rows]
-    if not rows:
-        raise ReportError("plot_sweep: no rows to plot")
-    fractions = all(isinstance(r["budget"], (int, float)) and 0 < r["budget"] <= 1 for r in rows)
-    workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    hardware = list(dict.fromkeys(r["hardware"] for r in rows))
-    fig, axes = _figure(len(workloads), 1, 4.2 * len(workloads) + 0.8, 3.8)
-    for ax, w in zip(axes[0], workloads):
-        lines: dict[str, list[tuple[float, float]]] = {}
-        for r in rows:
-            if r["workload"] != w:
-                continue
-            label = r["planner"] if len(hardware) == 1 else f"{r['planner']} @ {r['hardware']}"
-            x = 100 * r["budget"] if fractions else r["budget_bytes"] / 1e9
-            tp = r.get("throughput_pct")
-            y = float(tp) if tp is not None and r.get("feasible", True) else math.nan
-            lines.setdefault(label, []).append((x, y))
-        for label, pts in lines.items():
-            pts.sort()
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
-        ax.set_title(w)
-        ax.set_xlabel("budget (% of keep-all peak)" if fractions else "budget (GB)")
-        ax.set_ylabel("throughput (% of ideal)")
-        ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize="small")
-    fig.suptitle(f"simulated throughput vs activation budget ({', '.join(hardware)})")
-    fig.tight_layout()
+    """PNG of `sweep_figure(rows)`; ReportError if it cannot be written."""
+    fig = sweep_figure(rows)
     path = Path(path)
     try:
         fig.savefig(path, format="png", dpi=120)
@@ -185,8 +162,59 @@ def plot_sweep(rows: Iterable[Mapping], path: str | Path) -> Path:
     return path
 
 
+def sweep_figure(rows: Iterable[Mapping]):
+    """Throughput (% of ideal) against budget, one subplot per workload, one line per planner.
+
+    `rows` are the objects `slackswap simulate --json` prints. When every budget is a fraction, the
+    bottom x axis is the budget as a % of the keep-all peak and the top one the same budget in GB
+    (of that workload's keep-all peak); else the bottom one is the budget in GB. Rows without a
+    throughput (the planner found the budget infeasible) leave gaps; with several hardware the
+    lines are labelled ``planner @ hardware``. The title is wrapped to the figure's width."""
+    rows = [dict(r) for r in rows]
+    if not rows:
+        raise ReportError("plot_sweep: no rows to plot")
+    fractions = all(isinstance(r["budget"], (int, float)) and 0 < r["budget"] <= 1 for r in rows)
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    hardware = list(dict.fromkeys(r["hardware"] for r in rows))
+    labels = list(dict.fromkeys(r["planner"] if len(hardware) == 1 else f"{r['planner']} @ {r['hardware']}"
+                                for r in rows))
+    width = 4.2 * len(workloads) + 0.8
+    ncol = max(1, min(len(labels), int(width // 2.1)))  # the legend below the plots, a column per ~2 in
+    fig, axes = _figure(len(workloads), 1, width, 4.2 + 0.22 * -(-len(labels) // ncol))
+    for ax, w in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == w]
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in mine:
+            label = r["planner"] if len(hardware) == 1 else f"{r['planner']} @ {r['hardware']}"
+            x = 100 * r["budget"] if fractions else r["budget_bytes"] / GB
+            tp = r.get("throughput_pct")
+            y = float(tp) if tp is not None and r.get("feasible", True) else math.nan
+            lines.setdefault(label, []).append((x, y))
+        for label, pts in lines.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", markersize=3, label=label)
+        ax.set_title(w)
+        ax.set_ylabel("throughput (% of ideal)")
+        ax.grid(True, alpha=0.3)
+        if not fractions:
+            ax.set_xlabel("budget (GB of saved activations)")
+            continue
+        ax.set_xlabel("budget (% of the keep-all peak)")
+        keep_all = mine[0]["budget_bytes"] / mine[0]["budget"] / GB  # GB: budget_bytes is int(fraction x keep-all)
+        if keep_all <= 0:
+            continue
+        top = ax.secondary_xaxis("top", functions=(lambda pct, k=keep_all: pct * k / 100,
+                                                   lambda gb_, k=keep_all: gb_ * 100 / k))
+        top.set_xlabel(f"budget (GB; keep-all peak {keep_all:.2f} GB)")
+    handles = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    drawn = [label for label in labels if label in handles]
+    fig.legend([handles[label] for label in drawn], drawn, loc="outside lower center", ncol=ncol, fontsize="small")
+    title = f"simulated throughput vs activation budget on {', '.join(hardware)}"
+    fig.suptitle(textwrap.fill(title, width=int(width * 8)))  # about 8 characters per inch at 12 pt
+    return fig
+
+
 # ---- tables ------------------------------------------------------------------------------------
-GB = 1e9
 
 # SlackSwap (arXiv 2610.13003): simulated A100 + PCIe 4.0, budget 50% of the keep-all peak.
 PAPER = "SlackSwap arXiv 2610.13003, simulated A100 + PCIe 4.0, 50% budget"
@@ -277,7 +305,7 @@ def sweep_table(header: list[str], rows: list[dict], paper: str | None) -> list[
 
 
 def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
-              results: list[tuple[str, StepResult | None, str | None]], ideal: float) -> list[str]:
+              results: list[tuple[str, StepResult | None, str | None]], ideal: float, device_bytes: float) -> list[str]:
     """A whole job's step per planner (or why it is infeasible), then each stage under the first planner."""
     cut = f"tp {job.par.tp}{' + sp' if job.par.sp else ''}, pp {job.pp}, dp {job.dp}, zero {job.zero}" + \
         (f", {job.chunks} chunks per device (interleaved)" if job.chunks > 1 else "") + \
@@ -288,16 +316,18 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
     lines = [f"{spec.name} on {node_name} ({job.gpus} GPUs: {cut}): {job.micro_batches} micro-batches of "
              f"{spec.micro_batch} x {spec.seq} per step and pipeline, "
              f"{'DeepSpeed PipelineEngine schedule' if job.schedule == 'deepspeed' else '1F1B'}",
-             f"  ideal step {ideal:.3f} s (every activation kept); budget {budget} of each stage's keep-all peak",
+             f"  ideal step {ideal:.3f} s (every activation kept); {_job_budget(job, budget, device_bytes)}",
+             *_job_state_lines(job, device_bytes),
              f"  {'planner':<20}{'thru %':>8}{'step s':>9}{'pipe s':>9}{'grads s':>9}{'optim s':>9}"
-             f"{'worst peak/budget':>19}"]
+             f"{'worst peak/budget':>19}{'tok/s':>11}{'fits':>6}"]
     for planner, res, err in results:
         if res is None:
             lines.append(f"  {planner:<20}{'-':>8}  infeasible: {err}")
             continue
-        worst = res.worst_peak_ratio
+        worst, fit = res.worst_peak_ratio, all(device_fits(job, res, device_bytes))
         lines.append(f"  {planner:<20}{100 * res.throughput:>8.1f}{res.step_s:>9.3f}{res.pipeline_s:>9.3f}"
-                     f"{res.grad_comm_s:>9.3f}{res.optimizer_s:>9.3f}{worst:>19.3f}")
+                     f"{res.grad_comm_s:>9.3f}{res.optimizer_s:>9.3f}{worst:>19.3f}"
+                     f"{tokens_per_s(job, res):>11,.0f}{'yes' if fit else 'NO':>6}")
     for planner, res, _ in results:
         if res is None or planner != results[0][0]:
             continue
@@ -306,17 +336,58 @@ def job_table(spec: ModelSpec, node_name: str, job: Job, budget: Budget,
     return lines
 
 
+def _job_budget(job: Job, budget: Budget, device_bytes: float) -> str:
+    split = f", split evenly among its {job.chunks} chunks" if job.chunks > 1 else ""
+    if budget.is_fraction:
+        return f"budget {budget} of each stage's keep-all peak"
+    if budget.is_auto:
+        return (f"budget auto: each GPU's {gb(device_bytes)} less what it holds beside its activations (below) and "
+                f"{AUTO_MARGIN:.0%} of it{split}")
+    return f"budget {gb(int(budget.value))} per GPU{split}"
+
+
+ZERO_SHARDS = {0: "no ZeRO", 1: "ZeRO 1 shards the optimizer state over dp {dp}",
+               2: "ZeRO 2 shards the gradients and the optimizer state over dp {dp}",
+               3: "ZeRO 3 shards all three over dp {dp}"}
+
+
+def _job_state_lines(job: Job, device_bytes: float) -> list[str]:
+    """What each GPU holds beside its saved activations (`job_memory`), and what "fits" counts."""
+    states = [device_state(job, d) for d in range(job.pp)]
+
+    def amount(values: list[int]) -> str:
+        return gb(min(values)) if min(values) == max(values) else f"{gb(min(values))} to {gb(max(values))}"
+
+    what = ("16-bit weights; the optimizer state and the gradients on the host: ZeRO-Offload" if job.offload_optimizer
+            else "16 B per parameter: 16-bit weights and gradients, Adam's fp32 master, m and v")
+    line = f"  model state per GPU {amount([s.state_bytes for s in states])} ({what}; " + \
+        ZERO_SHARDS[job.zero].format(dp=job.dp) + ")"
+    if any(s.gathered for s in states):
+        line += (f" + {amount([s.gathered for s in states])} of 16-bit parameters gathered (ZeRO 3: the region "
+                 f"running and the one prefetched)")
+    held = max(s.total_bytes for s in states)
+    room = ("the model state alone does not fit (shard it: --dp with --zero)" if held >= device_bytes
+            else f"activations up to {gb(device_bytes - held)} fit beside it")
+    per_stage = " (per stage: state GB below)" if len({s.total_bytes for s in states}) > 1 else ""
+    return [f"{line} of the GPU's {gb(device_bytes)}{per_stage}: {room}",
+            "  fits: that and the plan's simulated peak of saved activations within the GPU's memory (not counted: "
+            "backward's temporaries, communication buffers, the allocator's fragmentation, the CUDA context)"]
+
+
 def _stage_lines(planner: str, res: StepResult) -> list[str]:
-    interleaved = " (interleaved: peak GB is the whole device's, all its chunks)" if res.job.chunks > 1 else ""
+    interleaved = (" (interleaved: peak GB and state GB are the whole device's, all its chunks)" if res.job.chunks > 1
+                   else "")
+    state = "model state and gathered parameters" if res.job.zero == 3 and res.job.dp > 1 else "model state"
     lines = [f"  stages under {planner} (one rank of each; per micro-batch: fwd, bwd, swapped, "
-             f"recompute){interleaved}:",
-             "    stage  layers   in-flight  keep-all GB  budget GB  peak GB  kept GB/mb  swap GB/mb  "
+             f"recompute; state GB: the GPU's {state}){interleaved}:",
+             "    stage  layers   in-flight  keep-all GB  budget GB  peak GB  state GB  kept GB/mb  swap GB/mb  "
              "recomp ms  fwd ms  bwd ms  plan"]
     for i, s in enumerate(res.stages):
         swap = s.plan.bytes_by_decision(s.profile)[Decision.SWAP]
+        held = device_state(res.job, i % res.job.pp).total_bytes
         lines.append(f"    {i:>5}  {s.layers.start:>3}-{s.layers.stop - 1:<3}  {s.in_flight:>9}  "
                      f"{s.keep_all_bytes / GB:>11.2f}  {s.budget_bytes / GB:>9.2f}  "
-                     f"{res.stage_device_peak(i) / GB:>7.2f}  "
+                     f"{res.stage_device_peak(i) / GB:>7.2f}  {held / GB:>8.2f}  "
                      f"{s.kept_bytes / GB:>10.2f}  {swap / GB:>10.2f}  {s.result.recompute_s * 1e3:>9.1f}  "
                      f"{s.fwd_s * 1e3:>6.1f}  {s.bwd_s * 1e3:>6.1f}  {s.plan.digest[:12]}")
     return lines

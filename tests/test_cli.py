@@ -238,6 +238,46 @@ def test_plot_option(capsys, tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_plot_without_matplotlib_fails_first_and_names_the_extra(capsys, monkeypatch, tmp_path):
+    """--plot without matplotlib (`.[test]` does not install it) printed every table and then failed
+    with "plots need matplotlib: pip install matplotlib": now it fails before any work, on one line
+    naming the `plot` extra."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
+    path = tmp_path / "sweep.png"
+    assert main(["simulate", *SMALL, "--planner", "full-recompute", "--plot", str(path)]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and not path.exists()
+    assert cap.err.startswith("slackswap: error: --plot needs matplotlib, which cannot be imported here (")
+    assert cap.err.endswith("): pip install 'slackswap_ds[plot]'\n") and len(cap.err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("budgets, gb_axis", [(["0.4", "0.8"], "top"), (["100MB", "auto"], "bottom")])
+def test_the_sweep_plot_keeps_its_title_inside_and_shows_the_budget_in_gb(capsys, budgets, gb_axis):
+    """The title of a one-workload plot ran past both edges of the figure; with fractions the x axis
+    had no GB. Now the title is wrapped to the figure's width, and GB is on the top axis (of the
+    workload's keep-all peak) when the bottom one is a % of it."""
+    pytest.importorskip("matplotlib")
+    from slackswap_ds.sim_report import sweep_figure
+
+    rows = run_json(capsys, *SMALL, "--planner", "slackswap", "full-recompute", "--budget", *budgets)
+    fig = sweep_figure(rows)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (title,) = [t for t in fig.texts if "simulated throughput" in t.get_text()]
+    box, inside = fig.bbox, title.get_window_extent(renderer)
+    assert box.x0 <= inside.x0 and inside.x1 <= box.x1 and inside.y1 <= box.y1
+    (ax,) = fig.axes[:1]
+    if gb_axis == "top":
+        assert ax.get_xlabel() == "budget (% of the keep-all peak)"
+        (top,) = ax.child_axes
+        keep_all = rows[0]["budget_bytes"] / rows[0]["budget"] / 1e9
+        assert top.get_xlabel() == f"budget (GB; keep-all peak {keep_all:.2f} GB)"
+    else:
+        assert ax.get_xlabel() == "budget (GB of saved activations)"
+
+
 def test_native_solver_chatter_stays_off_stdout(capfd, monkeypatch):
     """Native code (HiGHS) prints on file descriptor 1; --json output must still parse."""
     import os
@@ -403,14 +443,35 @@ def test_a_mistyped_name_gets_a_did_you_mean(capsys):
 @pytest.mark.parametrize("argv, said", [
     (["--micro-batches", "100000000", "--pp", "2"], "micro_batches 100000000 is over the simulator's limit of 4096"),
     (["--layers", "100000"], "layers 100000 is over the simulator's limit of 1024"),
+    (["--layers", "1024", "--pp", "1024", "--micro-batches", "4096"],
+     "pp x chunks x micro_batches is 4,194,304, over the simulator's limit of 131,072"),
 ])
 def test_sizes_the_simulator_cannot_handle_are_refused_at_once(capsys, argv, said):
-    """(100,000,000 micro-batches ran 54 s into a MemoryError; 100,000 layers past two minutes.)"""
+    """(100,000,000 micro-batches ran 54 s into a MemoryError; 100,000 layers past two minutes; 1024
+    stages of 4096 micro-batches, each within its own limit, past two minutes too: 8.4 million events
+    per simulated step, and each stage's end found by a scan of them all.)"""
     import time
 
     t0 = time.perf_counter()
     assert main(["simulate", "-w", "gpt2-xl", *argv]) == 2
     assert said in capsys.readouterr().err and time.perf_counter() - t0 < 10
+
+
+@pytest.mark.parametrize("argv", [
+    ["--seq", "1e8"],  # was refused as not a whole number
+    ["-w", "bert-large", "--seq", "100000000"],  # planned: an OverflowError row, then "over the target of 0 B"
+    ["-w", "gpt2-xl", "--seq", "30000000"],  # "over the target of 8,192 B": byte counts wrapped in 64 bits
+    ["-w", "llama-7b", "--micro-batch", "100000000"],
+    ["-w", "gpt2-xl", "--seq", "100000000", "--pp", "2"],  # a traceback (OverflowError)
+])
+def test_a_shape_over_the_simulators_byte_limit_is_refused_before_any_table(capsys, argv):
+    """A micro-batch whose saved activations pass 2^50 B (1 PiB) is refused with the limit, before
+    anything is printed: beyond it the planners' 64-bit byte counts wrap and print nonsense targets."""
+    assert main(["simulate", *argv, "-p", "slackswap"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and "Traceback" not in cap.err
+    assert "of activations for backward, over the simulator's limit of 1,125,899,906,842,624 B (2^50 B" in cap.err
+    assert len(cap.err.strip().splitlines()) == 1
 
 
 def test_the_readmes_simulated_table_is_what_slackswap_simulate_prints(capsys):
@@ -524,3 +585,60 @@ def test_a_job_names_whose_code_shards_and_a_workload_its_fused_loss(capsys):
                      "2", "-p", "keep-all", "--json", *extra]) == 0
         ideal[extra] = json.loads(capsys.readouterr().out)[0]["ideal_s"]
     assert ideal[("--fused-loss",)] < ideal[()]
+
+
+def test_a_job_takes_a_budget_in_bytes_or_auto_per_gpu(capsys):
+    """`--budget auto` or a size with --dp/--zero was refused as "with --pp a budget is a fraction",
+    though no --pp was given. Now a size is each GPU's budget and "auto" what each GPU has room for.
+    By hand, Llama-7B with 2 layers (h 4096, ffn 11008, SwiGLU, vocab 32000, untied): a layer has
+    4 h^2 + 3 h ffn = 202,375,168 weights, the embedding and the head 131,072,000 each: 666,894,336.
+    ZeRO 3 over 8 ranks: (2 + 2 + 12) / 8 B each = 1,333,788,672 B of model state; gathered in 16
+    bits, the two layers (running and prefetched): 809,500,672 B. "auto" on an 80 GB A100: 80e9 less
+    both, less 10% of 80e9 = 69,856,710,656 B."""
+    from slackswap_ds.budget import auto_budget_bytes
+
+    base = ["-w", "llama-7b", "--layers", "2", "--seq", "256", "--micro-batch", "1", "--dp", "8", "--zero", "3",
+            "-p", "slackswap"]
+    rows = run_json(capsys, *base, "-b", "auto", "2GB", "0.5")
+    assert [r["budget"] for r in rows] == ["auto", 2_000_000_000, 0.5]
+    (device,) = rows[0]["devices"]
+    assert device["params"] == 666_894_336
+    assert (device["model_state_bytes"], device["gathered_bytes"]) == (1_333_788_672, 809_500_672)
+    assert auto_budget_bytes(80e9, 1_333_788_672 + 809_500_672) == 69_856_710_656
+    assert [r["stages"][0]["budget_bytes"] for r in rows[:2]] == [69_856_710_656, 2_000_000_000]
+    assert rows[2]["stages"][0]["budget_bytes"] == rows[2]["stages"][0]["keep_all_bytes"] // 2
+    for r in rows:
+        assert r["feasible"] and r["stages"][0]["peak_bytes"] <= r["stages"][0]["budget_bytes"]
+        assert r["tokens_per_s"] == pytest.approx(8 * 1 * 1 * 256 / r["step_s"])  # dp x micro-batches x mb x seq
+    # what cannot work says why: the model state leaves "auto" nothing
+    assert main(["simulate", "-w", "llama-7b", "--dp", "2", "-b", "auto", "-p", "slackswap"]) == 2
+    err = capsys.readouterr().err
+    assert "budget auto leaves no room for activations on pipeline rank 0" in err and "107.81 GB" in err
+    assert "--pp" not in err.split("; ")[0]
+
+
+def test_a_sharded_job_says_its_model_state_whether_it_fits_and_its_tokens_per_second(capsys):
+    """"Does Llama-7B fit on 80 GB GPUs with ZeRO-3 at a 40 GB budget, and how fast?" answered by the
+    table, not by hand: 6,738,149,376 parameters at 16 B / 8 ranks = 13.48 GB per GPU, beside the
+    plan's peak; the job's tokens per second. Without ZeRO the model state alone (107.81 GB) does
+    not fit, and no plan makes it fit."""
+    argv = ["simulate", "-w", "llama-7b", "--dp", "8", "--zero", "3", "-b", "40GB", "-p", "slackswap"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "budget 40.00 GB per GPU" in out
+    assert ("model state per GPU 13.48 GB (16 B per parameter: 16-bit weights and gradients, Adam's fp32 master, m "
+            "and v; ZeRO 3 shards all three over dp 8) + 0.81 GB of 16-bit parameters gathered") in out
+    assert "not counted: backward's temporaries, communication buffers, the allocator's fragmentation" in out
+    header = next(line for line in out.splitlines() if line.split()[:1] == ["planner"])
+    row = next(line for line in out.splitlines() if line.split()[:1] == ["slackswap"])
+    assert header.split()[-2:] == ["tok/s", "fits"] and row.split()[-1] == "yes"
+    assert main([*argv, "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["fits"] is True and r["devices"][0]["model_state_bytes"] == 16 * 6_738_149_376 // 8
+    assert r["devices"][0]["model_state_bytes"] + r["devices"][0]["gathered_bytes"] + r["devices"][0]["peak_bytes"] \
+        <= r["device_bytes"] == 80e9
+    assert float(row.split()[-2].replace(",", "")) == pytest.approx(r["tokens_per_s"], abs=0.5)
+    assert r["tokens_per_s"] == pytest.approx(8 * 6 * 2048 / r["step_s"])
+    assert main(["simulate", "-w", "llama-7b", "--dp", "2", "-p", "full-recompute", "--json"]) == 0
+    (r,) = json.loads(capsys.readouterr().out)
+    assert r["devices"][0]["model_state_bytes"] == 16 * 6_738_149_376 and r["fits"] is False

@@ -63,3 +63,26 @@ def test_a_rank_alone_that_cannot_plan_raises_and_is_not_stopped():
     c.job_channel()
     c.give_up(BudgetInfeasibleError("no plan"))  # returns: nobody to tell, the caller raises
     c.give_up(BudgetInfeasibleError("no plan again"))
+
+
+def test_the_mpi_transport_without_mpi4py_names_the_mpi_extra(monkeypatch):
+    """mpi4py is the `mpi` extra's (a single-node job never needs it): where it cannot be imported, the
+    MPI channel, the node layout and a config's "sync": "mpi" under an MPI launcher say which extra
+    installs it, instead of an ImportError from inside the agreement; "auto" uses torch.distributed."""
+    import sys
+
+    import pytest
+
+    from slackswap_ds.channels import MpiChannel
+    from slackswap_ds.errors import MissingExtraError
+    from slackswap_ds.node_facts import node_layout
+
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # as if it were not installed
+    extra = r"needs mpi4py, which cannot be imported here \(.*\): pip install 'slackswap_ds\[mpi\]'$"
+    for make in (MpiChannel, node_layout):
+        with pytest.raises(MissingExtraError, match=extra):
+            make()
+    monkeypatch.setenv("PMI_RANK", "0")  # launched by MPI (MPICH/Hydra)
+    with pytest.raises(MissingExtraError, match='the MPI transport of the plan agreement \\("sync": "mpi"\\) ' + extra):
+        coordinator(sync="mpi")
+    assert coordinator(sync="auto").via == "torch.distributed"

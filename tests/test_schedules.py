@@ -8,7 +8,7 @@ import pytest
 from slackswap_ds.errors import ProfileError, SlackSwapError
 from slackswap_ds.hardware import load_node
 from slackswap_ds.pipeline import Job, simulate_job
-from slackswap_ds.schedules import interleaved_order, simulate_pipeline, stage_peaks
+from slackswap_ds.schedules import interleaved_order, simulate_pipeline, stage_ends, stage_peaks
 from slackswap_ds.workloads import preset_spec
 
 
@@ -58,3 +58,16 @@ def test_an_interleaved_job_beats_plain_1f1b_and_keeps_each_device_within_its_bu
                          ({"chunks": 3}, "divisible by pp x chunks"), ({"chunks": 2, "micro_batches": 3}, "a multiple of pp")):
         with pytest.raises(ProfileError, match=message):
             Job(spec, pp=2, **{"micro_batches": 4, **bad})
+
+
+def test_stage_ends_are_each_stages_last_event_and_last_backward():
+    """One pass over the events, as the whole-job step needs them (it scanned every event once per
+    stage before: quadratic in the stages)."""
+    for chunks, pp in ((1, 3), (2, 2)):
+        events = simulate_pipeline([1.0, 2.0, 1.5, 0.5][:pp * chunks], [2.0, 4.0, 3.0, 1.0][:pp * chunks], 4, 0.25,
+                                   chunks=chunks)
+        ends, last_backward = stage_ends(events, pp * chunks)
+        for s in range(pp * chunks):
+            assert ends[s] == max(e.end for e in events if e.stage == s)
+            assert last_backward[s] == max((e for e in events if e.stage == s and e.kind == "B"), key=lambda e: e.end)
+    assert stage_ends((), 2) == ([0.0, 0.0], [None, None])

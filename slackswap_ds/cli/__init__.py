@@ -9,7 +9,9 @@
     slackswap plan --plan-file JOB_FILE [--budget B] [--planner P] -o plan_file.json
 
 With --pp, --dp, --zero, --micro-batches, --offload-optimizer or --overlap-comm, `simulate` simulates a
-whole job (`pipeline.simulate_job`): one table per workload and budget, with each stage's plan.
+whole job (`pipeline.simulate_job`): one table per workload and budget, with the job's tokens per
+second, what each GPU holds beside its activations and whether it fits (`job_memory`), and each
+stage's plan; a size or "auto" budget is each GPU's.
 
 A budget is a fraction of the keep-all activation peak (``0.5``, ``50%``) or a byte size (``12GiB``,
 ``8e9``, ``16GB``). User errors (unknown names, bad files, an infeasible budget for ``plan``) print
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -32,12 +35,12 @@ from .. import plan_file
 from ..budget import Budget
 from ..errors import SlackSwapError
 from ..hardware import load_hardware, load_node, preset_names
+from ..pipeline import Job
 from ..planners import PLANNERS, get_planner, keep_all_result
-from ..sim_report import job_table, paper_line, plan_summary, sweep_header, sweep_table
+from ..sim_report import job_table, paper_line, plan_summary, require_matplotlib, sweep_header, sweep_table
 from ..workloads import Parallel, preset_spec, presets, workload_names
 from .job_plans import replan, say
-from .sweep import (Group, Sweep, Target, Traced, Workload, job_row, native_stdout_to_stderr,
-                    simulate_job_planners)
+from .sweep import Group, Sweep, Target, Traced, Workload, job_groups, job_row, native_stdout_to_stderr
 
 DEFAULT_WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
 DEFAULT_HARDWARE = "a100-80g-pcie4"
@@ -55,13 +58,14 @@ def parse_budget(text: str) -> Budget:
 
 
 def _positive_int(text: str) -> int:
+    """A positive whole number, also written as 1e8 (how large it may be is checked where it is used)."""
     try:
-        v = int(text)
+        v = float(text) if any(c in text for c in ".eE") else int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if v <= 0:
+        v = math.nan
+    if not (isinstance(v, int) or (math.isfinite(v) and v.is_integer())) or v <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return v
+    return int(v)
 
 
 # ---- what the arguments name -------------------------------------------------------------------
@@ -153,8 +157,10 @@ def _sweep(args: argparse.Namespace) -> Sweep:
     for p in planners:
         get_planner(p)
     target = _load_target(args.hardware, args.node)
+    par = _parallel(args)
+    profiles = [wl.profile(target.hw, par) for wl in workloads]  # (a shape over the simulator's limits fails here)
     _say_unmeasured_attention(workloads, target.hw)
-    return Sweep(workloads, budgets, planners, target, _parallel(args), bool(args.trace))
+    return Sweep(workloads, profiles, budgets, planners, target, par, bool(args.trace))
 
 
 def _group_table(group: Group, sweep: Sweep) -> list[str]:
@@ -169,6 +175,8 @@ def _group_table(group: Group, sweep: Sweep) -> list[str]:
 def cmd_simulate(args: argparse.Namespace) -> int:
     if _is_job(args):
         return cmd_simulate_job(args)
+    if args.plot:
+        require_matplotlib("--plot")  # before any work: not after every table is printed
     sweep = _sweep(args)
     rows: list[dict] = []
     traced: Traced | None = None
@@ -228,9 +236,8 @@ def _is_job(args: argparse.Namespace) -> bool:
 
 def cmd_simulate_job(args: argparse.Namespace) -> int:
     """One step of a job cut across GPUs (`pipeline.simulate_job`): per planner, the step time
-    against the keep-all ideal, and per stage its peak, budget and plan."""
-    from ..pipeline import Job, ideal_step_s
-
+    against the keep-all ideal, the job's tokens per second and whether each GPU holds its share;
+    per stage its peak, budget, model state and plan."""
     if args.hardware is not None and args.node is None:
         raise SlackSwapError("--pp/--dp/--zero simulate a job across nodes: give --node (e.g. dgx-a100), not --hardware")
     if args.trace or args.plot:
@@ -241,21 +248,18 @@ def cmd_simulate_job(args: argparse.Namespace) -> int:
         get_planner(p)
     budgets = list(dict.fromkeys(args.budget or [parse_budget("0.5")]))
     par = _parallel(args)
-    rows, out = [], sys.stdout
     workloads = _workloads(args, ("llama-70b",))
+    jobs = [(wl, Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
+                     args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations, args.chunks,
+                     grad_reduce_bytes=4 if args.reduce_dtype == "fp32" else 2, sharding=args.sharding))
+            for wl in workloads]  # every job checked before any work
     _say_unmeasured_attention(workloads, node.gpu)
-    for wl in workloads:
-        job = Job(wl.spec, par, args.pp, args.dp, args.micro_batches, args.zero, args.offload_optimizer,
-                  args.overlap_comm, args.schedule, args.stage_layers, args.partition_activations, args.chunks,
-                  grad_reduce_bytes=4 if args.reduce_dtype == "fp32" else 2, sharding=args.sharding)
-        ideal = ideal_step_s(job, node)
-        for budget in budgets:
-            if not budget.is_fraction:
-                raise SlackSwapError("with --pp a budget is a fraction of each stage's keep-all peak (e.g. 0.5)")
-            results = simulate_job_planners(job, node, budget, planners, ideal)
-            rows += [job_row(wl, job, node, budget, planner, res, err, ideal) for planner, res, err in results]
-            if not args.json:
-                print("\n".join(job_table(wl.spec, node.name, job, budget, results, ideal)), file=out, flush=True)
+    rows, out = [], sys.stdout
+    for wl, job, budget, results, ideal in job_groups(jobs, node, budgets, planners):
+        rows += [job_row(wl, job, node, budget, planner, res, err, ideal) for planner, res, err in results]
+        if not args.json:
+            print("\n".join(job_table(wl.spec, node.name, job, budget, results, ideal, node.gpu.hbm_bytes)), file=out,
+                  flush=True)
     if args.json:
         json.dump(rows, out, indent=1)
         out.write("\n")
@@ -401,15 +405,17 @@ def _add_simulate_parser(sub) -> None:
                      help="a Hugging Face config.json (or its folder) to simulate, with --seq and --micro-batch; "
                           "families: gpt2, bert, llama, mistral, qwen2, mixtral")
     sim.add_argument("--budget", "-b", action="extend", nargs="+", type=parse_budget, metavar="B",
-                     help="activation budget(s): a fraction of the keep-all peak (0.5, 50%%) or a size "
-                          "(12GiB, 16GB, 8e9); default 0.5")
+                     help="activation budget(s): a fraction of the keep-all peak (0.5, 50%%), a size (12GiB, "
+                          "16GB, 8e9) or auto (what the GPU has room for beside the model state); with "
+                          "--pp/--dp/--zero a size or auto is each GPU's; default 0.5")
     sim.add_argument("--planner", "-p", action="extend", nargs="+", metavar="P",
                      help=f"planner(s) (default all: {', '.join(PLANNERS)})")
     _add_common_options(sim)
     sim.add_argument("--json", action="store_true", help="print a JSON list of rows instead of tables")
     sim.add_argument("--trace", metavar="FILE",
                      help="write the Chrome/Perfetto trace of the slackswap step for the first workload and budget")
-    sim.add_argument("--plot", metavar="FILE", help="write a PNG of throughput vs budget (needs matplotlib)")
+    sim.add_argument("--plot", metavar="FILE", help="write a PNG of throughput vs budget (needs matplotlib: "
+                                                    "pip install 'slackswap_ds[plot]')")
     sim.set_defaults(func=cmd_simulate)
 
 

@@ -19,7 +19,8 @@ from typing import Iterator
 from ..budget import Budget, auto_budget_bytes, model_state_bytes
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware, Node
-from ..pipeline import Job, StepResult, simulate_job
+from ..job_memory import device_fits, device_state, stage_budgets, tokens_per_s
+from ..pipeline import Job, StepResult, ideal_step_s, simulate_job
 from ..plan import Decision, Plan
 from ..planners import Planned, get_planner, keep_all_result, refusal
 from ..shares import PRIVATE, Share
@@ -200,6 +201,7 @@ class Sweep:
     """What `slackswap simulate` runs: every planner on every (workload, budget), on one target."""
 
     workloads: list[Workload]
+    profiles: list[StepProfile]  # each workload's, on the target's GPU: built (and checked) before any work
     budgets: list[Budget]
     planners: list[str]
     target: Target
@@ -210,8 +212,7 @@ class Sweep:
         """The groups in order, each as soon as its planners are done (progress on stderr)."""
         combos = len(self.workloads) * len(self.budgets)
         done = 0
-        for wi, wl in enumerate(self.workloads):
-            profile = wl.profile(self.target.hw, self.par)
+        for wi, (wl, profile) in enumerate(zip(self.workloads, self.profiles)):
             ka = keep_all_result(profile, self.target.hw)
             for bi, budget in enumerate(self.budgets):
                 t0 = time.perf_counter()
@@ -262,14 +263,26 @@ class Sweep:
 
 
 # ---- a whole job ------------------------------------------------------------------------------
-def simulate_job_planners(job: Job, node: Node, budget: Budget, planners: list[str],
+def job_groups(jobs: list[tuple[Workload, Job]], node: Node, budgets: list[Budget],
+               planners: list[str]) -> Iterator[tuple[Workload, Job, Budget, list, float]]:
+    """Per job and budget, as soon as its planners are done: (workload, job, budget, `simulate_job_planners`,
+    the job's ideal step). A size or "auto" is each GPU's (`job_memory.stage_budgets`)."""
+    for wl, job in jobs:
+        ideal = ideal_step_s(job, node)
+        for budget in budgets:
+            per_stage = stage_budgets(job, node.gpu.hbm_bytes, budget)
+            yield wl, job, budget, simulate_job_planners(job, node, per_stage, planners, ideal), ideal
+
+
+def simulate_job_planners(job: Job, node: Node, budgets: tuple[Budget, ...], planners: list[str],
                           ideal: float) -> list[tuple[str, StepResult | None, str | None]]:
-    """One step of `job` per planner: (planner, its step, None) or (planner, None, why it is infeasible)."""
+    """One step of `job` per planner, each stage within its budget: (planner, its step, None) or
+    (planner, None, why it is infeasible)."""
     results = []
     for planner in planners:
         try:
             with native_stdout_to_stderr():
-                results.append((planner, simulate_job(job, node, budget.value, planner, ideal_s=ideal), None))
+                results.append((planner, simulate_job(job, node, budgets, planner, ideal_s=ideal), None))
         except BudgetInfeasibleError as e:
             results.append((planner, None, str(e)))
     return results
@@ -277,21 +290,27 @@ def simulate_job_planners(job: Job, node: Node, budget: Budget, planners: list[s
 
 def job_row(wl: Workload, job: Job, node: Node, budget: Budget, planner: str, res: StepResult | None, err: str | None,
             ideal: float) -> dict:
-    """A job's row as `--json` prints it: the cut, the budget, the step, and per stage its plan."""
+    """A job's row as `--json` prints it: the cut, the budget, the step, per GPU what it holds and
+    whether it fits (`job_memory`), and per stage its plan."""
     row = {"workload": wl.name, "node": node.name, "tp": job.par.tp, "sp": job.par.sp, "pp": job.pp, "dp": job.dp,
            "zero": job.zero, "micro_batches": job.micro_batches, "offload_optimizer": job.offload_optimizer,
            "overlap_comm": job.overlap_grad_comm, "schedule": job.schedule, "chunks": job.chunks,
            "sharding": job.sharding, "grad_reduce_bytes": job.grad_reduce_bytes,
-           "budget": budget.json_value, "planner": planner, "ideal_s": ideal, "feasible": res is not None}
+           "budget": budget.json_value, "planner": planner, "ideal_s": ideal, "feasible": res is not None,
+           "device_bytes": int(node.gpu.hbm_bytes)}
+    states = [device_state(job, d) for d in range(job.pp)]
+    devices = [{"device": s.device, "params": s.params, "model_state_bytes": s.state_bytes,
+                "gathered_bytes": s.gathered} for s in states]
     if res is None:
-        return {**row, "error": err}
+        return {**row, "devices": devices, "error": err}
+    fit = device_fits(job, res, node.gpu.hbm_bytes)
+    devices = [{**d, "peak_bytes": res.peaks[i], "fits": fit[i]} for i, d in enumerate(devices)]
     return {**row, "step_s": res.step_s, "throughput_pct": 100 * res.throughput, "pipeline_s": res.pipeline_s,
             "grad_comm_s": res.grad_comm_s, "optimizer_s": res.optimizer_s,
+            "tokens_per_s": tokens_per_s(job, res), "fits": all(fit), "devices": devices,
             "stages": [{"stage": s.stage, "layers": [s.layers.start, s.layers.stop], "in_flight": s.in_flight,
                         "keep_all_bytes": s.keep_all_bytes, "budget_bytes": s.budget_bytes, "peak_bytes": res.stage_device_peak(i),
                         "kept_bytes": s.kept_bytes, "fwd_s": s.fwd_s, "bwd_s": s.bwd_s,
                         "swapped_bytes": s.plan.bytes_by_decision(s.profile)[Decision.SWAP],
                         "recompute_s": s.result.recompute_s, "plan_digest": s.plan.digest}
                        for i, s in enumerate(res.stages)]}
-
-

@@ -30,10 +30,15 @@ from .layer import add_layer
 from .presets import load_workload_file, preset_spec, presets, workload_names, workloads_dir
 from .spec import FFN_KINDS, NORM_PLACEMENTS, NORMS, ModelSpec, Parallel
 
-__all__ = ["FFN_KINDS", "NORMS", "NORM_PLACEMENTS", "PRESETS", "ModelSpec", "Parallel", "build_costs",
-           "layer_activation_bytes",
-           "layer_forward_flops", "load_workload_file", "model_params", "preset_spec", "presets", "region_params",
-           "transformer_profile", "workload", "workload_names", "workloads_dir"]
+__all__ = ["FFN_KINDS", "MAX_SAVED_BYTES", "NORMS", "NORM_PLACEMENTS", "PRESETS", "ModelSpec", "Parallel",
+           "build_costs", "layer_activation_bytes", "layer_forward_flops", "load_workload_file", "model_params",
+           "preset_spec", "presets", "region_params", "transformer_profile", "workload", "workload_names",
+           "workloads_dir"]
+
+# the saved activations one micro-batch of a profile may hold: 2^50 B (1 PiB, some 14,000 GPUs of 80 GB).
+# Above it a mistyped seq or micro-batch is likelier than a model; and the planners count bytes in
+# 64-bit integers, which a stage holding up to 4096 such micro-batches (2^62 B) still fits
+MAX_SAVED_BYTES = 2**50
 
 
 def __getattr__(name: str) -> Mapping[str, ModelSpec]:
@@ -91,6 +96,12 @@ def transformer_profile(spec: ModelSpec, hw: Hardware, par: Parallel = Parallel(
         )
         for a in builder.saved
     ]
+    saved = sum(a.bytes for a in acts)
+    if saved > MAX_SAVED_BYTES:
+        raise ProfileError(f"{spec.name}: one micro-batch of seq {spec.seq} x micro-batch {spec.micro_batch} saves "
+                           f"{saved:,} B of activations for backward, over the simulator's limit of "
+                           f"{MAX_SAVED_BYTES:,} B (2^50 B, 1 PiB: some 14,000 GPUs of 80 GB); is the sequence "
+                           f"length or the micro-batch mistyped?")
     meta = {"source": "analytic", "hardware": hw.name, "hardware_digest": hw.digest, **spec.to_meta(),
             **par.to_meta()}
     return StepProfile(name=name or spec.name, ops=tuple(ops), activations=tuple(acts), meta=tuple(meta.items()))
