@@ -56,7 +56,8 @@ The map, one line per module (the one map: README.md and docs/ link here):
     engine          ss.initialize and the DeepSpeed engine's hooks (a thin adapter of the lifecycle)
     stages          the PipelineEngine's hooks: per-stage plans through the same lifecycle
     routing, run    ss.install() / ss.uninstall(); python -m slackswap_ds.run
-    autoroute       the start-up hook (setup.py's .pth): a config with a section routed at deepspeed.initialize
+    autoroute       the start-up hook (setup.py's .pth): a config with a section routed at deepspeed.initialize;
+                    the section's "auto" values kept from Accelerate's placeholder filling
     cli/            `slackswap simulate | plan`: arguments and printing; sweep; job_plans (plan --plan-file)
 
 The runtime names below (`apply`, `profile_step`, `initialize`, ...) are imported on first use.

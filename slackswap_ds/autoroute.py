@@ -5,16 +5,23 @@ The package installs `slackswap_ds-autoroute.pth` into site-packages (setup.py),
 at start-up in every process of the environment. It loads this file, the installed package's (never a
 `slackswap_ds/` folder found on PYTHONPATH or in the working directory), by its path (not the package:
 numpy and the rest wait until a config with a section arrives) and calls `install_hook()`, which puts a
-finder on `sys.meta_path` that waits for `import deepspeed`. Once DeepSpeed's module has run,
-`deepspeed.initialize` is bound to a thin guard (`_guard`). The guard reads the config it is given
-once, as DeepSpeed reads it (ds_config.py: a dict, an hjson file, a pipe such as `<(cat ds.json)` or
-/dev/stdin, base64 text, `args.deepspeed_config` or `args.deepscale_config`). Without a `"slackswap"`
-section it is DeepSpeed's own `initialize`, untouched (a pipe's text, which DeepSpeed can no longer
-read, is handed to it as the dict that was read); with one, it routes DeepSpeed through SlackSwap
-(`ss.install()`, as `python -m slackswap_ds.run` does) and calls SlackSwap's `initialize` with the
-config read. So a plain `deepspeed train.py --deepspeed_config slackswap.json`, the HF `Trainer`,
-Accelerate and Lightning (which look `deepspeed.initialize` up when they build the engine) all get
-their plan.
+finder on `sys.meta_path` that waits for two imports:
+
+* `deepspeed`: once its module has run, `deepspeed.initialize` is bound to a thin guard (`_guard`).
+  The guard reads the config it is given once, as DeepSpeed reads it (ds_config.py: a dict, an hjson
+  file, a pipe such as `<(cat ds.json)` or /dev/stdin, base64 text, `args.deepspeed_config` or
+  `args.deepscale_config`). Without a `"slackswap"` section it is DeepSpeed's own `initialize`,
+  untouched (a pipe's text, which DeepSpeed can no longer read, is handed to it as the dict that was
+  read); with one, it routes DeepSpeed through SlackSwap (`ss.install()`, as `python -m
+  slackswap_ds.run` does) and calls SlackSwap's `initialize` with the config read. So a plain
+  `deepspeed train.py --deepspeed_config slackswap.json`, the HF `Trainer`, Accelerate and Lightning
+  (which look `deepspeed.initialize` up when they build the engine) all get their plan.
+* `accelerate.utils.dataclasses`: Accelerate's DeepSpeed plugin fills every `"auto"` of the DeepSpeed
+  config from its own arguments and raises for one it has no value for, so a section with `"auto"`
+  (`activation_budget`, `hardware`, `sync`) would stop every Trainer and Accelerate job. Its
+  `DeepSpeedPlugin.fill_match` is wrapped to leave the section's keys alone (`_leave_section_alone`):
+  they are SlackSwap's to resolve, not Accelerate's placeholders. A config without a section has no
+  such key: nothing changes for it.
 
 `SLACKSWAP_AUTOROUTE` (`routing_on`): unset, or one of ON, routes a section; one of OFF does not (the
 section is then not acted on, and the guard says so: a warning from rank 0, so that a job with a
@@ -39,6 +46,7 @@ OFF = ("0", "false", "off", "no")
 # file imports nothing of the package at start-up; tests/test_autoroute.py holds the copies equal)
 GUARD_MARK = "__slackswap_autoroute__"
 INITIALIZE_MARK = "__slackswap_initialize__"
+ACCELERATE = "accelerate.utils.dataclasses"  # where Accelerate's DeepSpeedPlugin is defined
 _LOCK = _thread.allocate_lock()
 _said: set[str] = set()  # what this process has said once
 
@@ -57,10 +65,11 @@ def routing_on() -> bool:
 
 
 def install_hook() -> None:
-    """Bind the guard now if DeepSpeed is imported, else when it is (called by the .pth file; idempotent)."""
+    """Bind the guard now if DeepSpeed is imported, else when it is, and leave the section out of
+    Accelerate's "auto" filling likewise (called by the .pth file; idempotent)."""
     try:
         waiting = {}
-        for name, then in (("deepspeed", _bind),):
+        for name, then in (("deepspeed", _bind), (ACCELERATE, _leave_section_alone)):
             module = sys.modules.get(name)
             if module is not None:
                 then(module)
@@ -210,6 +219,33 @@ def _reader():
             del sys.modules[name]
             raise
     return module
+
+
+def _leave_section_alone(accelerate) -> None:
+    """Accelerate's `DeepSpeedPlugin.fill_match(ds_key_long, ...)` fills an "auto" value of the
+    DeepSpeed config from its own arguments, and raises for one it has none for; its
+    `deepspeed_config_process` calls it for every key of the config. Keys of the "slackswap"
+    section are left as they are: their "auto" is SlackSwap's (said once, by rank 0). Idempotent;
+    other keys, and configs without a section, go to Accelerate's own method. (This method rather than
+    `deepspeed_config_process`: it is what raises, and the dict Accelerate processes is never changed,
+    not even for the length of a call.)"""
+    plugin = getattr(accelerate, "DeepSpeedPlugin", None)
+    fill_match = getattr(plugin, "fill_match", None)
+    if fill_match is None or getattr(fill_match, GUARD_MARK, False):
+        return
+    import functools
+
+    @functools.wraps(fill_match)
+    def slackswap_fill_match(self, ds_key_long, *args, **kwargs):
+        if not (isinstance(ds_key_long, str) and ds_key_long.split(".", 1)[0] == SECTION):
+            return fill_match(self, ds_key_long, *args, **kwargs)
+        if getattr(self, "get_value", lambda key: None)(ds_key_long) == "auto":
+            _say_once("accelerate", f"slackswap: Accelerate's DeepSpeed plugin leaves the \"{SECTION}\" section's "
+                      "\"auto\" values to SlackSwap (they are SlackSwap's, not placeholders for Accelerate to fill)")
+        return None
+
+    setattr(slackswap_fill_match, GUARD_MARK, True)
+    plugin.fill_match = slackswap_fill_match
 
 
 def _say_routed() -> None:

@@ -5,7 +5,8 @@ places touch DeepSpeed on purpose, each for a concept of its own: `checkpointing
 DeepSpeed's pinned-memory switch, for copies) and `runtime/takeover.py` (checkpoint calls inside the
 model, DeepSpeed's among them, run inline under a plan). And two that stand before it: `ds_config.py`
 reads a DeepSpeed config as DeepSpeed does (hjson, base64, a pipe read once), and the start-up hook
-(`autoroute.py`) binds its guard to `deepspeed.initialize`.
+(`autoroute.py`) binds its guard to `deepspeed.initialize` and keeps Accelerate's "auto" filling out
+of the section.
 
 * DeepSpeed's own `initialize`, kept while SlackSwap's is bound in its place (`route_initialize`,
   `original_initialize`), and called without the ``"slackswap"`` section (`initialize_without_section`).

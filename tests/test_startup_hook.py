@@ -3,7 +3,9 @@ of the environment, so: (1) it never changes a job without a "slackswap" section
 included; (2) it reads configs as DeepSpeed does (hjson, base64, a dict, `--deepscale_config`); (3) it
 runs only the installed package's code, never a `slackswap_ds/` folder that PYTHONPATH or the working
 directory puts first; (4) SLACKSWAP_AUTOROUTE takes a documented set of values and refuses the rest;
-and (5) its cost at every interpreter start is a few milliseconds (bounds below).
+(5) its cost at every interpreter start is a few milliseconds (bounds below); and (6) Accelerate's
+"auto" filling leaves the section's "auto" to SlackSwap (the 2-rank HF Trainer job with every value
+"auto": tests/test_run.py).
 
 The processes here start with `python -S` and add a temporary site folder holding setup.py's own .pth
 line for this checkout (`site_folder`): the hook tested is this checkout's, whatever .pth the
@@ -24,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import ROOT, cpu_env, free_loopback_port, sharing
+from jobs import ROOT, checkout_autoroute, cpu_env, free_loopback_port, sharing
 
 PTH = "slackswap_ds-autoroute.pth"
 PACKAGE = ROOT / "slackswap_ds"
@@ -281,3 +283,39 @@ def test_the_hook_costs_a_few_milliseconds_at_every_interpreter_start(tmp_path):
         took[name] = min(runs[1:])
     print(f"start-up hook: {took['cached']:.2f} ms with bytecode, {took['compiled']:.2f} ms compiling it")
     assert took["cached"] <= HOOK_MS_CACHED and took["compiled"] <= HOOK_MS_COMPILED, took
+
+
+# ---- 6: Accelerate's "auto" filling leaves the section alone --------------------------------------------
+AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "zero_optimization": {"stage": 0},
+        "slackswap": {"activation_budget": "auto", "hardware": "auto", "sync": "auto"}}
+
+
+def test_accelerates_auto_filling_leaves_the_sections_auto_to_slackswap(monkeypatch, capsys):
+    """Item 6, in process: Accelerate's DeepSpeedPlugin raised for the section's "auto" (every HF
+    Trainer and Accelerate job with it stopped). With the hook's wrapper its own keys are filled as
+    before, the section is left as written (said once), a config without a section is processed
+    exactly as without the wrapper (an unfillable "auto" of its own still raises), and wrapping twice
+    changes nothing."""
+    dataclasses = pytest.importorskip("accelerate.utils.dataclasses")
+    plugin = dataclasses.DeepSpeedPlugin
+    monkeypatch.setattr(plugin, "fill_match", plugin.fill_match)  # put back after the test
+    own = getattr(plugin.fill_match, "__wrapped__", plugin.fill_match)  # (an installed hook may have wrapped it)
+    monkeypatch.setattr(plugin, "fill_match", own)
+    accelerates = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1}  # what it fills
+    with pytest.raises(ValueError, match="`slackswap.activation_budget` not found in kwargs"):
+        plugin(hf_ds_config=json.loads(json.dumps(AUTO))).deepspeed_config_process(must_match=False, **accelerates)
+    hook = checkout_autoroute()
+    monkeypatch.setattr(hook, "_said", set())
+    hook._leave_section_alone(dataclasses)
+    wrapped = plugin.fill_match
+    hook._leave_section_alone(dataclasses)
+    assert plugin.fill_match is wrapped and wrapped.__wrapped__ is own
+    filled = plugin(hf_ds_config=json.loads(json.dumps(AUTO)))
+    filled.deepspeed_config_process(must_match=False, **accelerates)
+    assert filled.deepspeed_config == {**AUTO, **accelerates, "steps_per_print": float("inf")}
+    filled.deepspeed_config_process(must_match=False, **accelerates)
+    assert capsys.readouterr().err.count("leaves the \"slackswap\" section's \"auto\" values to SlackSwap") == 1
+    without = {k: v for k, v in AUTO.items() if k != "slackswap"}
+    with pytest.raises(ValueError, match="`gradient_accumulation_steps` not found in kwargs"):
+        plugin(hf_ds_config=dict(without)).deepspeed_config_process(must_match=False, train_micro_batch_size_per_gpu=2)
+    assert capsys.readouterr().err == ""
