@@ -4,7 +4,7 @@ Layers, bottom up: a module imports from its own layer or a lower one, never a h
 import cycles; no module imports another module's underscore names; core and planning import no
 torch (tests/test_structure.py holds the package to this block and to the map below):
 
-    core         errors files budget shares step_profile derive attention_rates hardware plan model_config plan_file workloads
+    core         errors files ds_config budget shares step_profile derive attention_rates hardware plan model_config plan_file workloads
     planning     simulator planners schedules sharded deepspeed_pipe pipeline job_memory sim_report
     runtime      logs runtime checkpointing bucketing topology node_facts channels agreement
     integration  config deepspeed_api compatibility machine coordination shapes plan_maker job_report shape_plans lifecycle api engine stages routing run autoroute
@@ -14,6 +14,7 @@ The map, one line per module (the one map: README.md and docs/ link here):
 
     errors          the package's exceptions: what was expected, what was found, what to do
     files           JSON read with errors that name the file; atomic writes, never through a link
+    ds_config       the one reader of DeepSpeed configs: once, as DeepSpeed reads them (dict, hjson, pipe, base64)
     budget          budgets and sizes: the one parser; a fraction of the keep-all peak -> bytes; bytes per parameter
     shares          a rank's share of its node: link rates and pinned pool (Share, split_node, tightest)
     step_profile    StepProfile, Op, Activation: a measured or modelled step; canonical JSON and digests
@@ -56,7 +57,8 @@ The map, one line per module (the one map: README.md and docs/ link here):
     engine          ss.initialize and the DeepSpeed engine's hooks (a thin adapter of the lifecycle)
     stages          the PipelineEngine's hooks: per-stage plans through the same lifecycle
     routing, run    ss.install() / ss.uninstall(); python -m slackswap_ds.run
-    autoroute       the start-up hook (setup.py's .pth): a config with a section routed at deepspeed.initialize
+    autoroute       the start-up hook (setup.py's .pth): a config with a section routed at deepspeed.initialize;
+                    the section's "auto" values kept from Accelerate's placeholder filling
     cli/            `slackswap simulate | plan`: arguments and printing; sweep; job_plans (plan --plan-file)
 
 The runtime names below (`apply`, `profile_step`, `initialize`, ...) are imported on first use.

@@ -6,9 +6,9 @@
       "slackswap": {"activation_budget": 0.5, "hardware": "a100-80g-pcie4"}
     }
 
-`load_config(ds_config)` takes the DeepSpeed config (a dict or a path to the JSON file) and returns a
-frozen `SlackSwapConfig`. No ``"slackswap"`` section gives ``enabled=False`` (plain DeepSpeed); ``{}``
-turns it on with the defaults.
+`load_config(ds_config)` takes the DeepSpeed config (a dict, the path of its file, base64 text: read
+as DeepSpeed reads it, by ds_config.py) and returns a frozen `SlackSwapConfig`. No ``"slackswap"``
+section gives ``enabled=False`` (plain DeepSpeed); ``{}`` turns it on with the defaults.
 
 Every problem in the section is reported at once, one line each, in one `ConfigError`; each line names
 the field (``slackswap.activation_budget``), what was found, and the fix. DeepSpeed ignores unknown
@@ -31,12 +31,13 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from .budget import Budget, parse_budget_value, parse_optional_size
+from .ds_config import ReadConfig, UnreadableConfig, read_config
 from .errors import SlackSwapError, did_you_mean
-from .files import JSON_ERRORS, json_problem, refuse_unless_regular
+from .files import refuse_unless_regular
 from .hardware import load_hardware, load_node, preset_names
 
 SECTION = "slackswap"
-__all__ = ["SECTION", "ConfigError", "SlackSwapConfig", "field_table", "load_config"]
+__all__ = ["SECTION", "ConfigError", "SlackSwapConfig", "field_table", "load_config", "read_deepspeed_config"]
 
 
 class ConfigError(SlackSwapError, ValueError):
@@ -413,42 +414,21 @@ def _problems(e: ValidationError, data: Any) -> list[str]:
 
 
 # ---- loading -----------------------------------------------------------------------------------
-def load_config(ds_config: dict | str | os.PathLike) -> SlackSwapConfig:
-    """The validated ``"slackswap"`` section of a DeepSpeed config: a dict, or a path to its JSON file.
+def load_config(ds_config: dict | str | os.PathLike | ReadConfig) -> SlackSwapConfig:
+    """The validated ``"slackswap"`` section of a DeepSpeed config: a dict, the path of its file
+    (JSON, or hjson as DeepSpeed reads it), base64 text, or a `ReadConfig` (ds_config.py, the one reader).
 
     A config without a ``"slackswap"`` section returns ``SlackSwapConfig(enabled=False)``: DeepSpeed
     users who did not ask for SlackSwap get plain DeepSpeed behaviour. ``"slackswap": {}`` turns it on
     with the defaults. A relative ``hardware`` path is looked up in the working directory, then next to
-    the config file. Raises `ConfigError` listing every problem at once (an unreadable or non-JSON
-    file, a section that is not an object, unknown keys, bad values)."""
-    source, base_dir = None, None
-    if isinstance(ds_config, (str, os.PathLike)):
-        path = Path(ds_config)
-        source, base_dir = str(path), path.resolve().parent
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: file not found. Fix: give the path of a DeepSpeed JSON config", source) from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read the file ({e}). Fix: give a readable DeepSpeed JSON config",
-                              source) from None
-        try:
-            ds_config = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}). Fix: correct the "
-                "JSON (no comments, no trailing commas, double-quoted keys)", source
-            ) from None
-        except JSON_ERRORS as e:
-            raise ConfigError(f"{path}: not a JSON config DeepSpeed can read ({json_problem(e)})", source) from None
-    if not isinstance(ds_config, dict):
-        raise ConfigError(
-            f"the DeepSpeed config: found {_found(ds_config)}; expected a JSON object (a dict). Fix: pass a dict "
-            "or the path of a DeepSpeed JSON config file", source
-        )
-    if SECTION not in ds_config:
+    the config file. Raises `ConfigError` listing every problem at once (an unreadable file or one
+    DeepSpeed could not parse, a section that is not an object, unknown keys, bad values)."""
+    read = read_deepspeed_config(ds_config)
+    source = read.source
+    base_dir = Path(source).resolve().parent if source is not None and read.again else None
+    if SECTION not in read.ours:
         return SlackSwapConfig(enabled=False)
-    section = ds_config[SECTION]
+    section = read.ours[SECTION]
     if not isinstance(section, dict):
         raise ConfigError(
             f"{SECTION}: found {_found(section)}; the section must be a JSON object. Fix: write "
@@ -464,6 +444,15 @@ def load_config(ds_config: dict | str | os.PathLike) -> SlackSwapConfig:
         return SlackSwapConfig(**section)
     except ConfigError as e:
         raise ConfigError(e.problems, source) from None
+
+
+def read_deepspeed_config(ds_config) -> ReadConfig:
+    """`ds_config.read_config` (a config read once, as DeepSpeed reads it), its errors a ConfigError
+    that names the file."""
+    try:
+        return read_config(ds_config)
+    except UnreadableConfig as e:
+        raise ConfigError(e.problem, e.source) from None
 
 
 def _resolve_hardware_path(section: dict, base_dir: Path | None) -> dict:

@@ -3,7 +3,10 @@ included, is here, so that a DeepSpeed upgrade has one place to look for the eng
 places touch DeepSpeed on purpose, each for a concept of its own: `checkpointing.py` (the drop-in
 `deepspeed.checkpointing` and its PipelineModule binding), `runtime/device.py` (the accelerator and
 DeepSpeed's pinned-memory switch, for copies) and `runtime/takeover.py` (checkpoint calls inside the
-model, DeepSpeed's among them, run inline under a plan).
+model, DeepSpeed's among them, run inline under a plan). And two that stand before it: `ds_config.py`
+reads a DeepSpeed config as DeepSpeed does (hjson, base64, a pipe read once), and the start-up hook
+(`autoroute.py`) binds its guard to `deepspeed.initialize` and keeps Accelerate's "auto" filling out
+of the section.
 
 * DeepSpeed's own `initialize`, kept while SlackSwap's is bound in its place (`route_initialize`,
   `original_initialize`), and called without the ``"slackswap"`` section (`initialize_without_section`).
@@ -18,15 +21,14 @@ model, DeepSpeed's among them, run inline under a plan).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
 import sys
 import threading
 from typing import Any, Callable, Iterator
 
 from .budget import PINNED_OPTIMIZER_BYTES_PER_PARAM
+from .ds_config import UnreadableConfig, config_out_of, read_config
 
 INITIALIZE_MARK = "__slackswap_initialize__"  # set on slackswap_ds.engine.initialize
 GUARD_MARK = "__slackswap_autoroute__"  # set on autoroute.py's guard around DeepSpeed's own initialize
@@ -103,47 +105,35 @@ def unroute_initialize() -> bool:
         return True
 
 
-def config_given(args, config, config_params):
-    """The DeepSpeed config the caller gave `initialize` (a dict, a path, or None)."""
-    if config is not None:
-        return config
-    if config_params is not None:
-        return config_params
-    return getattr(args, "deepspeed_config", None) if args is not None else None
-
-
 def config_file_of(section: dict, name: str) -> str | None:
-    """The JSON file on the command line whose `name` section is `section`, for a config that
+    """The config file on the command line whose `name` section is `section`, for a config that
     arrived as a dict (the HF Trainer and Accelerate read the file the user named and pass its
-    contents): so that an error can name the file to fix."""
+    contents): so that an error can name the file to fix. Only regular files named *.json or
+    *.hjson are read (never a pipe: its text is the job's)."""
     if section is None:
         return None
     for arg in sys.argv[1:]:
         path = arg.split("=", 1)[-1]
-        if not path.endswith(".json") or not os.path.isfile(path):
+        if not path.endswith((".json", ".hjson")) or not os.path.isfile(path):
             continue
         try:
-            with open(path) as f:
-                if json.load(f).get(name) == section:
-                    return path
-        except (OSError, ValueError, AttributeError):
+            if read_config(path).ours.get(name) == section:
+                return path
+        except UnreadableConfig:
             continue
     return None
 
 
 def initialize_without_section(ds_config, section: str, args, positional: tuple, kwargs: dict) -> tuple:
-    """DeepSpeed's own `initialize(args, *positional, **kwargs)` with `ds_config` minus `section`
-    as its only config. (DeepSpeed ignores unknown top-level keys, but it refuses a config both in
-    `args` and in the call, so the one in `args` is taken out.)"""
-    config = None
-    if ds_config is not None:
-        if isinstance(ds_config, (str, os.PathLike)):
-            with open(ds_config) as f:
-                ds_config = json.load(f)
-        config = {k: v for k, v in ds_config.items() if k != section}
-        if args is not None and getattr(args, "deepspeed_config", None) is not None:
-            args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})
-    return original_initialize()(args, *positional, config=config, config_params=None, **kwargs)
+    """DeepSpeed's own `initialize(args, *positional, **kwargs)` with `ds_config` (anything
+    `ds_config.read_config` reads; read once: a pipe's text is not read again) minus `section` as
+    its only config. (DeepSpeed ignores unknown top-level keys, but it refuses a config both in
+    `args` and in the call, so the one in `args` is set aside for the call.)"""
+    if ds_config is None:
+        return original_initialize()(args, *positional, config=None, config_params=None, **kwargs)
+    config = {k: v for k, v in read_config(ds_config).config.items() if k != section}
+    with config_out_of(args):
+        return original_initialize()(args, *positional, config=config, config_params=None, **kwargs)
 
 
 # ---- the data-parallel engine ----------------------------------------------------------------------
@@ -279,7 +269,7 @@ def compiled_autograd_enabled(engine) -> bool:
 
 
 __all__ = ["GUARD_MARK", "INITIALIZE_MARK", "checkpointing_set_aside", "compiled_autograd_enabled", "config_file_of",
-           "config_given", "deepcompile_active", "hook_forward_backward", "hook_pipeline", "initialize_is_routed",
+           "deepcompile_active", "hook_forward_backward", "hook_pipeline", "initialize_is_routed",
            "initialize_without_section", "is_pipeline_engine", "is_train_schedule", "micro_batch_inputs",
            "offloads_parameters", "original_initialize", "partitions_parameters", "remember_original",
            "route_initialize", "stage_of", "stage_ranks", "unroute_initialize", "zero_offload_pinned_bytes",

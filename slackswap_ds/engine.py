@@ -17,9 +17,10 @@ from __future__ import annotations
 import torch
 
 from .compatibility import check_compile_section, take_compiled_model
-from .config import SECTION, ConfigError, SlackSwapConfig, load_config
-from .deepspeed_api import (INITIALIZE_MARK, config_file_of, config_given, hook_forward_backward,
-                            initialize_without_section, is_pipeline_engine, remember_original)
+from .config import SECTION, ConfigError, SlackSwapConfig, load_config, read_deepspeed_config
+from .deepspeed_api import (INITIALIZE_MARK, config_file_of, hook_forward_backward, initialize_without_section,
+                            is_pipeline_engine, remember_original)
+from .ds_config import config_given
 from .lifecycle import ShapeLifecycle, lifecycle_for
 from .logs import said_once_per_job, setup_logging
 from .plan_maker import PlanMaker
@@ -35,15 +36,18 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     """`deepspeed.initialize`, plus the `"slackswap"` section of the config. Returns the same
     tuple (engine, optimizer, training_dataloader, lr_scheduler); the engine's forward/backward
     then follow SlackSwap plans. Without a section, or with `"enabled": false`, it is plain DeepSpeed."""
-    ds_config = config_given(args, config, config_params)
+    given = config_given(args, config, config_params)  # (a pipe's config arrives read, from autoroute.py's guard)
+    read = None
     try:
-        cfg = load_config(ds_config if ds_config is not None else {})
-        if cfg.enabled and isinstance(ds_config, dict):
-            check_compile_section(ds_config)
+        read = read_deepspeed_config(given) if given is not None else None  # read once: a pipe is read once
+        cfg = load_config(read if read is not None else {})
+        if cfg.enabled:
+            check_compile_section(read.config)
     except ConfigError as e:  # every rank raises it alike: said once for the job, the file named if found
-        source = e.source or (config_file_of(ds_config.get(SECTION), SECTION) if isinstance(ds_config, dict) else None)
+        section = read.ours.get(SECTION) if read is not None and read.source is None else None
+        source = e.source or config_file_of(section, SECTION)
         raise said_once_per_job(ConfigError(e.problems, source) if source != e.source else e) from None
-    out = initialize_without_section(ds_config, SECTION, args,
+    out = initialize_without_section(read, SECTION, args,
                                      (model, optimizer, model_parameters, training_data, lr_scheduler, *rest), kwargs)
     engine = out[0]
     if cfg.enabled:

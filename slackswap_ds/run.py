@@ -4,7 +4,9 @@
     python -m slackswap_ds.run -m my_package.train [module args]
 
 `ss.install()` runs first (DeepSpeed's `initialize` and `checkpointing` routed through SlackSwap;
-see routing.py), then the script runs as ``__main__``, exactly as ``python train.py`` would run it
+see routing.py), after the start-up hook's `install_hook()` (autoroute.py: Accelerate then leaves the
+section's "auto" values to SlackSwap) for a Python that did not run the hook (`python -S`, `pip
+install --target`); then the script runs as ``__main__``, exactly as ``python train.py`` would run it
 (its own directory first on sys.path, sys.argv as it expects). The `"slackswap"` section of the
 DeepSpeed config it hands to `deepspeed.initialize` (directly, or through Hugging Face's Trainer,
 Accelerate or PyTorch Lightning) decides the rest. Every launcher can start it:
@@ -39,12 +41,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0)
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         raise SystemExit(_usage_error("give a script or -m module to run"))
+    from .autoroute import install_hook
     from .routing import install
 
     if argv[0] == "-m":
         module, rest = argv[1], argv[2:]
         if not _module_exists(module):
             raise SystemExit(_usage_error(f"no module named {module!r} (is it installed, or on PYTHONPATH?)"))
+        install_hook()
         install()
         sys.argv = [module] + passed + rest
         runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(_usage_error(f"no such script {script!r}"))
     if os.path.isdir(script) and not os.path.exists(os.path.join(script, "__main__.py")):
         raise SystemExit(_usage_error(f"{script!r} is a folder without a __main__.py to run"))
+    install_hook()
     install()
     sys.argv = [script] + passed + rest
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -7,6 +7,7 @@ Every address is 127.0.0.1 and every interface `lo`: these jobs never leave the 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -61,6 +62,24 @@ def cpu_env(**extra: str) -> dict[str, str]:
     path = os.pathsep.join([str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
     return {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
             "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
+@functools.lru_cache(maxsize=None)
+def checkout_autoroute():
+    """This checkout's start-up hook, slackswap_ds/autoroute.py, as a module. The one in sys.modules
+    was loaded at interpreter start by the environment's .pth: the installed package's, which is
+    another checkout's where this one is a worktree beside an editable install; then this file is
+    loaded on its own (its lazy imports of the package find this checkout's, first on the path)."""
+    import importlib.util
+
+    path = ROOT / "slackswap_ds" / "autoroute.py"
+    loaded = sys.modules.get("slackswap_ds.autoroute")
+    if loaded is not None and Path(loaded.__file__).resolve() == path:
+        return loaded
+    spec = importlib.util.spec_from_file_location("slackswap_ds.autoroute", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---- launcher lines ------------------------------------------------------------------------------

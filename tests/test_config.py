@@ -272,12 +272,40 @@ def test_config_not_an_object():
 
 def test_file_not_json(tmp_path):
     p = tmp_path / "ds.json"
-    p.write_text('{"slackswap": {"activation_budget": 0.5,}}')
+    p.write_text('{"slackswap": {"activation_budget": }}')
     with pytest.raises(ConfigError) as info:
         load_config(p)
     (msg,) = info.value.problems
     assert str(p) in msg and "not valid JSON" in msg and "line 1 column" in msg and "Fix: " in msg
     assert info.value.source == str(p) and str(p) in str(info.value)
+
+
+def test_a_config_is_read_as_deepspeed_reads_it(tmp_path):
+    """hjson (comments, trailing commas), base64 text and a pipe, as DeepSpeed reads them (ds_config.py);
+    the section's numbers as JSON reads them where the text is JSON (8e9 a float, refused as the HF
+    Trainer, which reads the file with `json`, would hand it over), as hjson reads them where it is not
+    (8e9 an integer, as DeepSpeed reads it); duplicate keys refused, as DeepSpeed refuses them."""
+    import base64
+    import os
+    import threading
+
+    p = tmp_path / "ds.json"
+    p.write_text('// hjson\n{"slackswap": {"activation_budget": 0.25, "profile_steps": 3,}, # trailing\n}')
+    assert (load_config(p).activation_budget, load_config(p).profile_steps) == (0.25, 3)
+    b64 = base64.urlsafe_b64encode(b'{"slackswap": {"profile_steps": 4}}').decode()
+    assert load_config(b64).profile_steps == 4
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    threading.Thread(target=lambda: fifo.write_text('{"slackswap": {"profile_steps": 5}}'), daemon=True).start()
+    assert load_config(fifo).profile_steps == 5
+    p.write_text('{"slackswap": {"activation_budget": 8e9}}')
+    with pytest.raises(ConfigError, match="a float > 1 is ambiguous"):
+        load_config(p)
+    p.write_text('{"slackswap": {"activation_budget": 8e9,}}')  # hjson, not JSON
+    assert load_config(p).activation_budget == 8 * 10**9
+    p.write_text('{"slackswap": {}, "slackswap": {"profile_steps": 2}}')
+    with pytest.raises(ConfigError, match=r"Duplicate keys in DeepSpeed config: \['slackswap'\]"):
+        load_config(p)
 
 
 def test_file_missing_or_unreadable(tmp_path):

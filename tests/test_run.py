@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from jobs import (ROOT, accelerate_line, assert_own_lengths_exact, cpu_env, deepspeed_line, run_launch, sharing,
-                  torchrun_line)
+from jobs import (ROOT, accelerate_line, assert_own_lengths_exact, cpu_env, deepspeed_line, launch_in_turn, run_launch,
+                  sharing, torchrun_line)
 
 SCRIPTS = ROOT / "tests" / "adoption"
 pytest.importorskip("deepspeed")
@@ -54,6 +54,10 @@ DEEPSPEED = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps":
 HF = {**DEEPSPEED, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
       "optimizer": {"type": "Adam", "params": {"lr": "auto", "torch_adam": True}}}
 ACCELERATE = {k: v for k, v in DEEPSPEED.items() if k != "optimizer"}  # the script brings its optimizer
+# every value the Trainer fills set to "auto" (as Hugging Face's DeepSpeed examples write them)
+HF_AUTO = {**HF, "train_batch_size": "auto", "gradient_clipping": "auto", "fp16": {"enabled": "auto"},
+           "bf16": {"enabled": "auto"}, "optimizer": {"type": "Adam", "params": {
+               "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto", "torch_adam": True}}}
 
 
 @pytest.fixture(scope="module")
@@ -71,31 +75,64 @@ def disabled_run(tmp_path_factory):
     return run
 
 
+def assert_planned_within_budget(out: str) -> int:
+    """One plan line, from rank 0, agreed by the 2 ranks; every step within the budget from the first:
+    the warm-up step in the shelter, the profiled one (on host too), then each planned step's report
+    (log_every 1: steps 3 to 6). Returns the budget."""
+    assert plans_logged(out) == ["0"] and "agreed over torch.distributed by 2 ranks" in out
+    budget = int(re.search(r"slackswap rank 0: budget ([\d,]+) B", out).group(1).replace(",", ""))
+    warm_up = int(re.search(r"warm-up step\(s\) done in the shelter: peak of saved activations on the device "
+                            r"([\d,]+) B", out).group(1).replace(",", ""))
+    reports = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
+               re.findall(r"peak of saved activations ([\d,]+) B \(predicted [\d,]+ B, budget ([\d,]+) B\)", out)]
+    assert warm_up <= budget and len(reports) == 4 and all(peak <= b == budget for peak, b in reports), reports
+    return budget
+
+
 # (torchrun and Accelerate's own launcher: slow, for suite time; the HF Trainer builds its engine through
-# Accelerate's DeepSpeed plugin, and the deepspeed launcher's case runs the same script)
+# Accelerate's DeepSpeed plugin, and the deepspeed launcher's case runs the same script; the HF Trainer
+# under a plain launch: test_the_hf_trainer_with_every_value_auto_trains_as_the_disabled_run)
 @pytest.mark.parametrize("launcher, script, config", [
     pytest.param("plain", "plain_deepspeed", DEEPSPEED, marks=sharing("disabled_run")),
     pytest.param("torchrun", "plain_deepspeed", DEEPSPEED, marks=[sharing("disabled_run"), pytest.mark.slow]),
-    ("plain", "hf_trainer", HF),
     pytest.param("accelerate", "accelerate_plugin", ACCELERATE, marks=pytest.mark.slow),
-], ids=["plain-deepspeed-launch", "torchrun-script", "hf-trainer-plain-launch", "accelerate-plugin"])
+], ids=["plain-deepspeed-launch", "torchrun-script", "accelerate-plugin"])
 def test_an_unmodified_script_gets_slackswap_from_its_json(tmp_path, disabled_run, launcher, script, config):
     """Under `python -m slackswap_ds.run`, and under a plain `deepspeed script.py` (the package's
     start-up hook routes `deepspeed.initialize` once it sees the section: autoroute.py)."""
     losses_on, out_on = launch(tmp_path, launcher, script, config, enabled=True)
     losses_off, out_off = disabled_run(launcher, script, config)
     assert len(losses_on) == 6 and losses_on == losses_off
-    assert plans_logged(out_on) == ["0"] and "agreed over torch.distributed by 2 ranks" in out_on
+    assert_planned_within_budget(out_on)
     assert ("deepspeed.initialize ran through SlackSwap" in out_on) is (launcher == "plain")
     assert plans_logged(out_off) == []
-    # every step within the budget from the first: the warm-up step in the shelter, the profiled one
-    # (on host too), then each planned step's report (log_every 1: steps 3 to 6)
-    budget = int(re.search(r"slackswap rank 0: budget ([\d,]+) B", out_on).group(1).replace(",", ""))
-    warm_up = int(re.search(r"warm-up step\(s\) done in the shelter: peak of saved activations on the device "
-                            r"([\d,]+) B", out_on).group(1).replace(",", ""))
-    reports = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
-               re.findall(r"peak of saved activations ([\d,]+) B \(predicted [\d,]+ B, budget ([\d,]+) B\)", out_on)]
-    assert warm_up <= budget and len(reports) == 4 and all(peak <= b == budget for peak, b in reports), reports
+
+
+def test_the_hf_trainer_with_every_value_auto_trains_as_the_disabled_run(tmp_path):
+    """Issue 35, item 6: Accelerate's DeepSpeed plugin (under the Trainer) took every "auto" of the
+    JSON for its own placeholder and raised for `"activation_budget": "auto"` and `"hardware": "auto"`
+    on every rank. tests/adoption/hf_trainer.py, unmodified, in one plain `deepspeed --num_gpus 2`
+    launch (tests/launch/in_turn.py; the start-up hook routes it), three times with the JSON's every
+    Trainer value "auto": a budget of 0.5; every SlackSwap value "auto" too (budget, hardware, sync);
+    and `"enabled": false`. The losses of the three are equal; each enabled run plans once, agreed by
+    the 2 ranks, every step within its budget; Accelerate's skipping is said once."""
+    sections = {"half": {}, "auto": {"activation_budget": "auto", "hardware": "auto", "sync": "auto"},
+                "off": {"enabled": False}}
+    runs = []
+    for name, section in sections.items():  # (an enabled run first: the hook routes it, and says so)
+        (tmp_path / f"{name}.json").write_text(json.dumps({**HF_AUTO, "slackswap": {**SLACKSWAP, **section}}))
+        runs.append([name, ["--deepspeed_config", str(tmp_path / f"{name}.json"), "--losses",
+                            str(tmp_path / f"{name}.losses.json")]])
+    logs = launch_in_turn(2, SCRIPTS / "hf_trainer.py", runs, tmp_path)
+    losses = {name: json.loads((tmp_path / f"{name}.losses.json").read_text()) for name in sections}
+    assert len(losses["off"]) == 6 and losses["half"] == losses["auto"] == losses["off"], losses
+    assert "deepspeed.initialize ran through SlackSwap" in logs["half"]
+    assert_planned_within_budget(logs["half"])
+    assert_planned_within_budget(logs["auto"]) > 10**9  # the preset's memory less the model state (CPU)
+    assert re.search(r'activation_budget "auto" is [\d,]+ B', logs["auto"])
+    said = "Accelerate's DeepSpeed plugin leaves the \"slackswap\" section's \"auto\" values to SlackSwap"
+    assert said not in logs["half"] and logs["auto"].count(said) == 1
+    assert plans_logged(logs["off"]) == [] and "Traceback" not in "".join(logs.values())
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""Hugging Face's Trainer with `deepspeed=<json>` (it calls deepspeed.initialize through Accelerate)."""
+"""Hugging Face's Trainer with `deepspeed=<json>` (it calls deepspeed.initialize through Accelerate).
+One job is `main(argv)` (several in one process under tests/launch/in_turn.py)."""
 
 import tempfile
 
@@ -6,8 +7,6 @@ import torch
 import transformers
 
 from common import STEPS, batch, model, parse_args, write_losses
-
-args = parse_args()
 
 
 class Data(torch.utils.data.Dataset):
@@ -19,11 +18,18 @@ class Data(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-with tempfile.TemporaryDirectory() as out:
-    training = transformers.TrainingArguments(
-        output_dir=out, deepspeed=args.deepspeed_config, max_steps=STEPS, per_device_train_batch_size=2,
-        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-        **({"torch_compile": True, "torch_compile_backend": args.torch_compile} if args.torch_compile else {}))
-    trainer = transformers.Trainer(model=model(), args=training, train_dataset=Data())
-    trainer.train()
-write_losses(args.losses, [h["loss"] for h in trainer.state.log_history if "loss" in h])
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as out:
+        training = transformers.TrainingArguments(
+            output_dir=out, deepspeed=args.deepspeed_config, max_steps=STEPS, per_device_train_batch_size=2,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+            **({"torch_compile": True, "torch_compile_backend": args.torch_compile} if args.torch_compile else {}))
+        trainer = transformers.Trainer(model=model(), args=training, train_dataset=Data())
+        trainer.train()
+    write_losses(args.losses, [h["loss"] for h in trainer.state.log_history if "loss" in h])
+    return 0
+
+
+if __name__ == "__main__":
+    main()
