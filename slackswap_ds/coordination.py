@@ -92,6 +92,7 @@ class Coordinator:
         self.channel: Channel | None = None  # the job's channel, made on first use
         self.shares: Shares | None = None  # set by exchange_facts
         self.ledger = None  # channels.StructureLedger, made on first use (compare_structure)
+        self.said_compiled_structure = False  # compare_structure's line for compiled code, said once
         self.engine_index = next(_ENGINES)  # its keys in the store are this engine's (see _ENGINES)
         self.program = 0  # how often the model's compilation changed (new_program): its own ledger keys
         self.group: Channel | None = None  # a stage's agreement channel, made on first use
@@ -199,9 +200,12 @@ class Coordinator:
             log.info("slackswap: per-stage plans agreed by %d ranks: %s", channel.world,
                      "; ".join(f"stage {s} {d[:12]}" for s, d in sorted(self.stage_plans.items())))
 
-    def compare_structure(self, shapes: str, structure: str) -> None:
+    def compare_structure(self, shapes: str, structure: str, compiled: bool = False) -> None:
         """Publish this rank's profile structure for input shapes `shapes` and log the ranks that
-        published another one for them (channels.StructureLedger: lazily, never waiting)."""
+        published another one for them (channels.StructureLedger: lazily, never waiting). `compiled`:
+        the profile has compiled calls, whose saved tensors are those of the graph Dynamo compiled on
+        this rank (another rank may hold another graph for the same shapes: one compiled for them
+        alone, one for dynamic shapes after a recompile): said once, as what it is."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
@@ -213,11 +217,20 @@ class Coordinator:
             where = "" if self.stage is None else f".stage{self.stage}"
             self.ledger = StructureLedger(prefix=f"slackswap/structure/{self.engine_index}.{self.program}{where}")
         differ = self.ledger.publish(shapes, structure)
-        if differ:
+        if not differ:
+            return
+        theirs = "; ".join(f"rank {r}: {d[:12]}" for r, d in sorted(differ.items()))
+        if not compiled:
             log.warning("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than "
                         "this rank's (%s here; %s): the ranks run different models or code paths on these shapes",
-                        self.ledger.rank, shapes, sorted(differ), structure[:12],
-                        "; ".join(f"rank {r}: {d[:12]}" for r, d in sorted(differ.items())), extra=EVERY_RANK)
+                        self.ledger.rank, shapes, sorted(differ), structure[:12], theirs, extra=EVERY_RANK)
+        elif not self.said_compiled_structure:  # (expected of compiled code: once, at INFO)
+            self.said_compiled_structure = True
+            log.info("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than this "
+                     "rank's (%s here; %s): the model runs compiled code, and Dynamo compiled another graph for "
+                     "these shapes on each (one for them alone, one for dynamic shapes after a recompile); each rank "
+                     "runs its own plan, exact to its own code (said once)", self.ledger.rank, shapes,
+                     sorted(differ), structure[:12], theirs, extra=EVERY_RANK)
 
     def new_program(self) -> None:
         """The model's compilation changed: the structures published for its old program are not

@@ -58,6 +58,10 @@ class ShapePlans:
         self.cache = ShapeCache(self.cfg.max_shapes, self.cfg.replan)
         self.coordinator.new_program()
 
+    def _compare_structure(self, key: ShapeKey, state) -> None:
+        profile = state.profile
+        self.coordinator.compare_structure(describe(key), profile.structure_digest, any(o.compiled for o in profile.ops))
+
     # ---- measured -----------------------------------------------------------------------------------
     def profiling(self, key: ShapeKey) -> None:
         """A step of shapes `key` is profiled now: counted, and said (the job's first by one rank of
@@ -110,14 +114,14 @@ class ShapePlans:
             events.append(Transition.PLANNED_ALONE)
             self._note_fallback(agreed.plan, events)
             self._say_own(key, state, "planned from its profile", "profiled")
-            self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
+            self._compare_structure(key, state)
             return
         record = bool(self.cfg.trace_file and self.rank == 0 and self.coordinator.stage is None)
         agreed = self.plans.agree(local, budget, key)
         sim = self.plans.install(state, agreed, record=record)
         events.append(Transition.AGREED)
         self._note_fallback(agreed.plan, events)
-        self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
+        self._compare_structure(key, state)
         if agreed.ranks == 1 and self.coordinator.group_size() > 1:
             self._say_own(key, state, "planned from its profile (the ranks' shapes differ)")
         elif self.coordinator.stage is not None:
@@ -189,7 +193,7 @@ class ShapePlans:
         unplanned = sum(1 for k in stats.sizes if k not in state.profile.by_key)
         if not (stats.resized or unplanned or peak > state.plan.budget_bytes):
             events.append(Transition.HELD)
-            self.coordinator.compare_structure(describe(key), state.profile.structure_digest)
+            self._compare_structure(key, state)
             return True
         deriver = self.cache.bases.get(state.derived_from)
         if deriver is not None and not (unplanned or state.refitted) and stats.resized \

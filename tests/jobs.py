@@ -133,13 +133,14 @@ def launch_in_turn(ranks: int, script: Path, runs: list, tmp: Path, timeout: flo
 
 
 def assert_own_lengths_exact(losses_on: list, out_on: str, ranks_on: list[dict], losses_off: list,
-                             ranks_off: list[dict]) -> None:
+                             ranks_off: list[dict], compiled: bool = False) -> None:
     """tests/adoption/hf_padding.py (every rank on its own lengths, 30 steps) under SlackSwap, against
     the job without: equal losses and final parameters; on every rank every step within its budget
     (a planned step's: its plan's, the budget fraction of the keep-all of the profile it was planned
     from, measured or derived; a warm-up or profiled step's: the fraction of the bytes it saved),
-    one or two profiled steps for many distinct lengths (the others' plans derived); no rank waited
-    for another's planning."""
+    one or two profiled steps for many distinct lengths (the others' plans derived; `compiled`: each
+    length profiled, none derived, since compiled code is not derived); no rank waited for another's
+    planning."""
     assert len(losses_on) == 30 and losses_on == losses_off
     assert ranks_on[0]["parameters"] == ranks_off[0]["parameters"]
     assert "data-parallel ranks are on different input shapes" in out_on
@@ -150,6 +151,10 @@ def assert_own_lengths_exact(losses_on: list, out_on: str, ranks_on: list[dict],
         over = [(step, peak, budget, rank["fraction"] * saved) for step, (peak, budget, _, saved) in enumerate(steps, 1)
                 if peak > (budget if budget is not None else rank["fraction"] * saved)]
         assert not over, (r, over, steps)
+        if compiled:
+            assert len(rank["shapes"]) >= 12 and rank["profiled"] == len(rank["shapes"]), (r, rank)
+            assert rank["derived"] == 0, (r, rank)
+            continue
         assert len(rank["shapes"]) >= 12 and 1 <= rank["profiled"] <= 2, (r, rank)
         assert rank["derived"] >= len(rank["shapes"]) - rank["profiled"], (r, rank)
 

@@ -23,6 +23,7 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--local_rank", type=int, default=-1)  # DeepSpeed's launcher passes it
     ap.add_argument("--torch-compile", metavar="BACKEND", help="Trainer scripts: TrainingArguments(torch_compile=True, "
                     "torch_compile_backend=BACKEND)")
+    ap.add_argument("--steps", type=int, help="Trainer scripts: max_steps (default: the script's own)")
     return ap.parse_args(argv)
 
 
