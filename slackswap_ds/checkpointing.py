@@ -63,7 +63,7 @@ _MARK = "__slackswap_dropin__"  # marks our replacements, so they are never mist
 
 _LOCK = threading.RLock()
 _PLAN_ACTIVE = False
-_RAN_INLINE = False  # a checkpoint call of the model ran inline under a plan (said once)
+_INLINE_CALLS = 0  # checkpoint calls of a model run inline under a plan or the profiler (the first said)
 _INSTALLED: list[tuple[Any, str, bool, Any]] | None = None  # (owner, attribute, had it, old value)
 
 
@@ -91,16 +91,17 @@ def plan_active() -> bool:
     return _PLAN_ACTIVE
 
 
-def ran_inline() -> bool:
-    """Whether a `deepspeed.checkpointing` call of the model ran inline under a plan (the model has
+def inline_calls() -> int:
+    """How many `deepspeed.checkpointing` calls ran inline under a plan or the profiler in this
+    process (the profiler compares the count before and after its step: that model has
     checkpointing of its own, which SlackSwap replaced)."""
-    return _RAN_INLINE
+    return _INLINE_CALLS
 
 
 def _inline() -> None:
-    global _RAN_INLINE
-    if not _RAN_INLINE:
-        _RAN_INLINE = True
+    global _INLINE_CALLS
+    _INLINE_CALLS += 1
+    if _INLINE_CALLS == 1:
         log.info("slackswap: the model calls deepspeed.checkpointing; SlackSwap replaces activation checkpointing: "
                  "those calls run inline and the plan decides what is kept, swapped or recomputed")
 

@@ -297,7 +297,8 @@ class ShapeLifecycle:
         if self.shape_plans.drop_unread(key, session, step.events):
             return
         try:
-            self.shape_plans.from_profile(key, session.profile(type(self.module).__name__), step.most_open, step.events)
+            self.shape_plans.from_profile(key, session.profile(type(self.module).__name__), step.most_open, step.events,
+                                          session.replaced_checkpointing)
         except Exception as e:
             step.note(Transition.GAVE_UP)
             self.coordinator.give_up(e)

@@ -45,7 +45,6 @@ from .planners import PLANNERS, get_planner, keep_all_result, refusal
 from .planners.common import Planned, fit_triggers, held_bytes, simulated
 from .runtime.device import Device
 from .runtime.executor import executor_for
-from .runtime.takeover import checkpointing_replaced
 from .runtime.host_pool import HostPool
 from .shapes import Prediction, ShapeKey, ShapeState, describe
 from .shares import PRIVATE, Share
@@ -82,6 +81,9 @@ class PlanMaker:
         self.zero = zero  # (ZeRO stage, ranks the model state is sharded over)
         self.auto_bytes: int | None = None  # an "auto" budget, found at the job's first plan
         self.said_too_large = False  # a size budget above the device's memory was warned about
+        # the model's own checkpointing ran inline in a profiled step (ProfileSession): this model's,
+        # not the process's (another engine's model in the same process may have none)
+        self.replaced_checkpointing = False
         self.holds = 1  # micro-batches whose saved tensors are held at once (a pipeline stage's: stages.py)
         self.pool: HostPool | None = None  # one HostPool for every shape's executor
         self.said = SayOnce()  # what the job's plans and executors say once per kind
@@ -112,7 +114,7 @@ class PlanMaker:
         step's keep-all peak; "auto" is what the device has room for beside the model state, found
         once, at the job's first plan (the optimizer has stepped by then: its state is allocated),
         and logged."""
-        if checkpointing_replaced() and "activation_budget" not in self.cfg.model_fields_set:
+        if self.replaced_checkpointing and "activation_budget" not in self.cfg.model_fields_set:
             return checkpointing_held(profile, self.hw, holds)
         keep_all_bytes = holds * profile.total_bytes
         if self.cfg.budget.is_auto and self.auto_bytes is None:

@@ -27,7 +27,6 @@ from .errors import SlackSwapError
 from .job_report import say_agreed_plan, say_own_plan, say_replaced_checkpointing, say_stage_plan, write_job_trace
 from .logs import EVERY_RANK, SayOnce, log
 from .plan_maker import PlanMaker, checkpointing_held
-from .runtime.takeover import checkpointing_replaced
 from .shapes import ShapeCache, ShapeKey, ShapeState, Transition, describe, shapes_of
 from .step_profile import StepProfile
 
@@ -97,10 +96,14 @@ class ShapePlans:
         return True
 
     # ---- from a profile ----------------------------------------------------------------------------------
-    def from_profile(self, key: ShapeKey, local: StepProfile, holds: int, events: Events) -> None:
+    def from_profile(self, key: ShapeKey, local: StepProfile, holds: int, events: Events,
+                     replaced_checkpointing: bool = False) -> None:
         """A plan for shapes `key` from their measured profile `local`, for `holds` micro-batches in
-        flight: the job's first, agreed by the coordinator's group; later ones, this rank's own."""
+        flight: the job's first, agreed by the coordinator's group; later ones, this rank's own.
+        `replaced_checkpointing`: the profiled step ran the model's own checkpoint calls inline
+        (from then on this model's budgets are what that checkpointing held, unless one is set)."""
         state = self.cache[key]
+        self.plans.replaced_checkpointing |= replaced_checkpointing
         self.plans.holds = holds
         self.cache.add_base(key, local, self.dims)
         budget = self.plans.budget_for(local, holds)
@@ -128,7 +131,7 @@ class ShapePlans:
             say_stage_plan(state, agreed, self.coordinator, self.plans.hw, holds, self.device_type)
         else:
             say_agreed_plan(state, agreed, self.coordinator, self.plans.hw, self.device_type)
-        if checkpointing_replaced():  # its own checkpointing ran inline: what it held, what the plan holds
+        if self.plans.replaced_checkpointing:  # its own checkpointing ran inline: what it held, what the plan holds
             say_replaced_checkpointing(self.cfg, local.total_bytes, budget,
                                        checkpointing_held(local, self.plans.hw, holds))
         if record:  # the prediction now; the first measured step beside it (lifecycle.py)

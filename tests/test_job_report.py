@@ -121,8 +121,10 @@ def test_every_rank_writes_its_own_summary_marked_running_until_the_job_ends(tmp
     runs (an earlier job's file never looks like this one's), then how it ended."""
     path = tmp_path / "summary.json"
     path.write_text('{"steps": {"planned": 99}}')  # an earlier job's
-    for rank in (0, 1):
-        monkeypatch.setenv("RANK", str(rank))
+    from slackswap_ds import job_report
+
+    for rank in (0, 1):  # (this process's rank as a job's: a process group another test left says 0)
+        monkeypatch.setattr(job_report, "job_rank", lambda rank=rank: rank)
         report = reports(summary_file=str(path))
         report.started()
         mine = path if rank == 0 else tmp_path / "summary.rank1.json"

@@ -160,6 +160,36 @@ def test_the_hf_trainer_with_torch_compile_trains_as_the_same_compiled_job_witho
     assert len(reports) == 12 and all(peak <= budget for peak, budget in reports), reports
 
 
+@pytest.mark.slow
+def test_a_job_with_hf_gradient_checkpointing_holds_what_its_checkpointing_held_by_default(tmp_path):
+    """TrainingArguments(gradient_checkpointing=True) and no activation_budget (issue 35: the default 0.5
+    of keep-all held 1.78x what the replaced checkpointing held): on 2 ranks SlackSwap runs the model's
+    checkpointing inline, says so once, and plans within what it held (every layer recomputed, less than
+    keep-all); every planned step within that budget; the losses equal the job with its own
+    checkpointing and without SlackSwap."""
+    section = {k: v for k, v in SLACKSWAP.items() if k != "activation_budget"}
+    runs = {}
+    for enabled in (True, False):
+        (tmp_path / f"{enabled}.json").write_text(json.dumps({**HF, "slackswap": {**section, "enabled": enabled}}))
+        losses = tmp_path / f"{enabled}.losses.json"
+        out = run_launch(deepspeed_line(2, str(SCRIPTS / "hf_trainer.py"), "--deepspeed_config",
+                                        str(tmp_path / f"{enabled}.json"), "--losses", str(losses),
+                                        "--gradient-checkpointing"), timeout=900)
+        runs[enabled] = json.loads(losses.read_text()), out
+    (losses_on, out_on), (losses_off, out_off) = runs[True], runs[False]
+    assert len(losses_on) == 6 and losses_on == losses_off
+    assert out_on.count("calls torch.utils.checkpoint") == 1
+    held = re.findall(r"own activation checkpointing is replaced by the plan, within what it held: budget ([\d,]+) B "
+                      r"\(every layer recomputed holds that; keep-all ([\d,]+) B\)", out_on)
+    assert len(held) == 1, out_on[-3000:]
+    budget, keep_all = (int(x.replace(",", "")) for x in held[0])
+    assert budget < keep_all
+    reports = [(int(a.replace(",", "")), int(b.replace(",", ""))) for a, b in
+               re.findall(r"peak of saved activations ([\d,]+) B \(predicted [\d,]+ B, budget ([\d,]+) B\)", out_on)]
+    assert len(reports) == 4 and all(peak <= b == budget for peak, b in reports), (budget, reports)
+    assert "checkpointing is replaced" not in out_off and plans_logged(out_off) == []
+
+
 # (all but ZeRO-3 on 2 ranks: slow, for suite time; ZeRO-2 plans on own lengths through the HF Trainer
 # are tests/test_zero_plans.py's, slow too)
 @pytest.mark.parametrize("n, stage, planner", [pytest.param(2, 0, "slackswap", marks=pytest.mark.slow),

@@ -40,12 +40,16 @@ _saved: dict[str, object] = {}
 _said: set[str] = set()
 
 
-def checkpointing_replaced() -> bool:
-    """Whether a model in this process called torch.utils.checkpoint or deepspeed.checkpointing
-    under a plan or the profiler (the calls ran inline: its own checkpointing was replaced)."""
+_torch_inline_calls = 0  # torch.utils.checkpoint calls run inline in this process
+
+
+def inline_checkpoint_calls() -> int:
+    """How many checkpoint calls (torch.utils.checkpoint and deepspeed.checkpointing) ran inline
+    in this process: a count that a step's profiler reads before and after (ProfileSession
+    .replaced_checkpointing), so that what a model did is known per model, not per process."""
     from .. import checkpointing
 
-    return "torch-checkpoint" in _said or checkpointing.ran_inline()
+    return _torch_inline_calls + checkpointing.inline_calls()
 
 
 def _say_once(what: str, message: str) -> None:
@@ -59,6 +63,8 @@ class _InlineCheckpointFunction:
 
     @staticmethod
     def apply(function, preserve_rng_state, *args):
+        global _torch_inline_calls
+        _torch_inline_calls += 1
         _say_once("torch-checkpoint", "slackswap: the model calls torch.utils.checkpoint (e.g. Hugging Face "
                                       "gradient checkpointing); SlackSwap replaces activation checkpointing: "
                                       "those calls run inline and the plan decides what is kept, swapped or "

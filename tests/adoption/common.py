@@ -24,6 +24,8 @@ def parse_args(argv: list[str] | None = None):
     ap.add_argument("--torch-compile", metavar="BACKEND", help="Trainer scripts: TrainingArguments(torch_compile=True, "
                     "torch_compile_backend=BACKEND)")
     ap.add_argument("--steps", type=int, help="Trainer scripts: max_steps (default: the script's own)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="Trainer scripts: TrainingArguments(gradient_checkpointing=True)")
     return ap.parse_args(argv)
 
 
