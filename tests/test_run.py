@@ -160,7 +160,6 @@ def test_the_hf_trainer_with_torch_compile_trains_as_the_same_compiled_job_witho
     assert len(reports) == 12 and all(peak <= budget for peak, budget in reports), reports
 
 
-@pytest.mark.slow
 def test_a_job_with_hf_gradient_checkpointing_holds_what_its_checkpointing_held_by_default(tmp_path):
     """TrainingArguments(gradient_checkpointing=True) and no activation_budget (issue 35: the default 0.5
     of keep-all held 1.78x what the replaced checkpointing held): on 2 ranks SlackSwap runs the model's
