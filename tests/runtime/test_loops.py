@@ -124,7 +124,7 @@ def test_soak_500_steps_with_a_recompute_plan_leaves_memory_flat(gpt2):
         samples = soak(step, 500, (150, 499))
     assert ex.stats.last_step.ops_recomputed > 0 and ex.stats.steps == 500
     (tensors_150, rss_150, _), (tensors_499, rss_499, _) = samples
-    assert tensors_499 == tensors_150
+    assert tensors_499 <= tensors_150  # (nothing grows; one fewer seen: another test's object, freed late)
     # a leak of even 5% of one step's saved bytes would add 350 * 0.05 * ~0.6 MB = ~10 MB
     assert rss_499 - rss_150 < 4 << 20, (rss_150 >> 20, rss_499 >> 20)
     assert ex.resident_bytes == 0  # every saved byte the executor held has been released

@@ -134,7 +134,7 @@ def test_soak_of_1f1b_batches_with_recompute_and_swap_leaves_memory_flat(setup):
     executor = ss.apply(model, plan, prof)
     samples = soak(lambda: run_schedule(model, batches, 2, executor), 80, (30, 79))  # (the allocators settle first)
     (tensors_30, rss_30, _), (tensors_79, rss_79, _) = samples
-    assert tensors_79 == tensors_30
+    assert tensors_79 <= tensors_30  # (nothing grows; one fewer seen: another test's object, freed late)
     assert rss_79 - rss_30 < 4 << 20, (rss_30 >> 20, rss_79 >> 20)
     assert executor.stats.last_step.ops_recomputed > 0 and executor.resident_bytes == 0
     assert executor.open_micro_batches == 0
