@@ -7,6 +7,7 @@ Neither blocks: a rank that is gone is simply never heard from, and the protocol
 from __future__ import annotations
 
 import hashlib
+import logging
 import queue
 import threading
 import zlib
@@ -14,7 +15,7 @@ from typing import Callable, Sequence
 
 from .agreement import AgreementError
 from .errors import import_extra
-from .logs import EVERY_RANK, log
+from .logs import EVERY_RANK, SayOnce
 
 _TAG_BASE, _TAG_SPAN = 7000, 20000  # MPI tags of our messages: MPI guarantees tags up to 32767
 _TAG_SHOUT = _TAG_BASE - 1  # below every message tag: a shout never matches a message
@@ -145,7 +146,7 @@ class StructureLedger:
         self.rank = dist.get_rank() if rank is None else rank
         self.world = dist.get_world_size() if world is None else world
         self._calls = _BoundedCalls(self.silence_s)
-        self.said_silent = False
+        self.say_once = SayOnce()
 
     def publish(self, shapes: str, structure: str) -> dict[int, str]:
         """Set this rank's `structure` digest for input shapes `shapes`; every other rank's digest
@@ -175,12 +176,11 @@ class StructureLedger:
         """Said once: the comparison stops, and its call is left waiting on its thread. A process
         that exits while a thread waits inside a TCPStore call aborts (SIGABRT, exit status 134 or a
         launcher's 250) even after a finished job (tried on torch 2.13): this line names why."""
-        if not self.said_silent:
-            self.said_silent = True
-            log.warning("slackswap rank %d: the torch.distributed store did not answer for %g s (rank 0's process, "
-                        "which hosts it, is stopped or overloaded): profile structures are no longer compared across "
-                        "ranks, and the unanswered call waits on a thread of its own; if this process exits while it "
-                        "waits, it ends by SIGABRT after the job's end", self.rank, self.silence_s, extra=EVERY_RANK)
+        self.say_once("silent", logging.WARNING, "slackswap rank %d: the torch.distributed store did not answer for "
+                      "%g s (rank 0's process, which hosts it, is stopped or overloaded): profile structures are no "
+                      "longer compared across ranks, and the unanswered call waits on a thread of its own; if this "
+                      "process exits while it waits, it ends by SIGABRT after the job's end", self.rank,
+                      self.silence_s, extra=EVERY_RANK)
 
 
 class StoreChannel:

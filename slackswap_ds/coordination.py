@@ -49,7 +49,7 @@ import json
 from .agreement import MARGIN_S, AgreementError, Channel, GaveUp, Solo, exchange, give_up
 from .config import SlackSwapConfig
 from .hardware import Hardware
-from .logs import EVERY_RANK, log
+from .logs import EVERY_RANK, SayOnce, log
 from .machine import MPI_LAUNCH_VARS, gpu_index, has_mpi4py, host_uplinks, mpi_launched
 from .node_facts import RankFacts, shares_of
 from .shares import Share, tightest
@@ -92,7 +92,7 @@ class Coordinator:
         self.channel: Channel | None = None  # the job's channel, made on first use
         self.shares: Shares | None = None  # set by exchange_facts
         self.ledger = None  # channels.StructureLedger, made on first use (compare_structure)
-        self.said_compiled_structure = False  # compare_structure's line for compiled code, said once
+        self.say_once = SayOnce()  # compare_structure's line for compiled code
         self.engine_index = next(_ENGINES)  # its keys in the store are this engine's (see _ENGINES)
         self.program = 0  # how often the model's compilation changed (new_program): its own ledger keys
         self.group: Channel | None = None  # a stage's agreement channel, made on first use
@@ -224,13 +224,13 @@ class Coordinator:
             log.warning("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than "
                         "this rank's (%s here; %s): the ranks run different models or code paths on these shapes",
                         self.ledger.rank, shapes, sorted(differ), structure[:12], theirs, extra=EVERY_RANK)
-        elif not self.said_compiled_structure:  # (expected of compiled code: once, at INFO)
-            self.said_compiled_structure = True
-            log.info("slackswap rank %d: input shapes %s: ranks %s profiled them with another structure than this "
-                     "rank's (%s here; %s): the model runs compiled code, and Dynamo compiled another graph for "
-                     "these shapes on each (one for them alone, one for dynamic shapes after a recompile); each rank "
-                     "runs its own plan, exact to its own code (said once)", self.ledger.rank, shapes,
-                     sorted(differ), structure[:12], theirs, extra=EVERY_RANK)
+        else:  # (expected of compiled code: once, at INFO)
+            self.say_once("compiled structure", logging.INFO, "slackswap rank %d: input shapes %s: ranks %s profiled "
+                          "them with another structure than this rank's (%s here; %s): the model runs compiled code, "
+                          "and Dynamo compiled another graph for these shapes on each (one for them alone, one for "
+                          "dynamic shapes after a recompile); each rank runs its own plan, exact to its own code "
+                          "(said once)", self.ledger.rank, shapes, sorted(differ), structure[:12], theirs,
+                          extra=EVERY_RANK)
 
     def new_program(self) -> None:
         """The model's compilation changed: the structures published for its old program are not

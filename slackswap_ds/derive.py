@@ -95,7 +95,7 @@ class Deriver:
             return Derivation(None, changes)
         if any(a.shape is None for a in self.base.activations):
             return Derivation(None, "the profile has no tensor shapes (not measured by this version)")
-        if any(o.compiled for o in self.base.ops):
+        if self.base.runs_compiled_code:
             # Dynamo may compile another graph for other shapes (dynamic after the second), whose
             # saves come in another order: the keys of a derived plan would name other tensors
             return Derivation(None, "the model runs compiled code, whose saved tensors change with its graph")

@@ -59,7 +59,7 @@ class ShapePlans:
 
     def _compare_structure(self, key: ShapeKey, state) -> None:
         profile = state.profile
-        self.coordinator.compare_structure(describe(key), profile.structure_digest, any(o.compiled for o in profile.ops))
+        self.coordinator.compare_structure(describe(key), profile.structure_digest, profile.runs_compiled_code)
 
     # ---- measured -----------------------------------------------------------------------------------
     def profiling(self, key: ShapeKey) -> None:

@@ -217,6 +217,11 @@ class StepProfile:
         return self.ops[a.saved_at].region
 
     @property
+    def runs_compiled_code(self) -> bool:
+        """Whether a compiled call is among the ops (its saves are those of the graph Dynamo compiled)."""
+        return any(o.compiled for o in self.ops)
+
+    @property
     def forward_s(self) -> float:
         return sum(o.fwd_s for o in self.ops)
 

@@ -63,7 +63,10 @@ class ProfileSession:
         self.tracer = StepTracer(lambda: self.executor.region, timer or _sync_timer(device), device.type)
         self.executor = Executor.profiling(model, self.tracer, keep_bytes=keep_bytes, pool=pool)
         self.forwards = [0]  # where each forward of the step began: the tracer's saves before it
-        self._checkpoint_calls = [inline_checkpoint_calls(), None]  # before and after the step
+        self._checkpoint_calls_before = inline_checkpoint_calls()
+        # whether the model called torch.utils.checkpoint or deepspeed.checkpointing in the step (the
+        # calls ran inline: its own checkpointing was replaced by the plan); known once the step ends
+        self.replaced_checkpointing = False
 
     def __enter__(self) -> "ProfileSession":
         self.executor.__enter__()
@@ -79,15 +82,8 @@ class ProfileSession:
             self.tracer.__exit__(*exc)
         finally:
             self.executor.__exit__(*exc)
-            self._checkpoint_calls[1] = inline_checkpoint_calls()
+            self.replaced_checkpointing = inline_checkpoint_calls() > self._checkpoint_calls_before
         return False
-
-    @property
-    def replaced_checkpointing(self) -> bool:
-        """Whether the profiled model called torch.utils.checkpoint or deepspeed.checkpointing in
-        the step (the calls ran inline: its own checkpointing was replaced by the plan)."""
-        before, after = self._checkpoint_calls
-        return after is not None and after > before
 
     def another_forward(self) -> None:
         """A second (third, ...) forward of the step begins (R-Drop, contrastive losses): traced as

@@ -29,6 +29,14 @@ def parse_args(argv: list[str] | None = None):
     return ap.parse_args(argv)
 
 
+def trainer_options(args) -> dict:
+    """The TrainingArguments that --torch-compile and --gradient-checkpointing ask for."""
+    options = {"gradient_checkpointing": True} if args.gradient_checkpointing else {}
+    if args.torch_compile:
+        options.update(torch_compile=True, torch_compile_backend=args.torch_compile)
+    return options
+
+
 def model():
     import transformers
 

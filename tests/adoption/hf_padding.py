@@ -19,7 +19,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, models
 
-from common import VOCAB, parse_args, write_losses
+from common import VOCAB, parse_args, trainer_options, write_losses
 
 STEPS, BATCH = 30, 2
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         training = transformers.TrainingArguments(
             output_dir=out, deepspeed=args.deepspeed_config, max_steps=STEPS, per_device_train_batch_size=BATCH,
             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-            **({"torch_compile": True, "torch_compile_backend": args.torch_compile} if args.torch_compile else {}))
+            **trainer_options(args))
         watch = Watch()
         trainer = transformers.Trainer(model=model(), args=training, train_dataset=Texts(), callbacks=[watch],
                                        data_collator=transformers.DataCollatorWithPadding(tokenizer))

@@ -6,7 +6,7 @@ import tempfile
 import torch
 import transformers
 
-from common import STEPS, batch, model, parse_args, write_losses
+from common import STEPS, batch, model, parse_args, trainer_options, write_losses
 
 
 class Data(torch.utils.data.Dataset):
@@ -24,8 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         training = transformers.TrainingArguments(
             output_dir=out, deepspeed=args.deepspeed_config, max_steps=args.steps or STEPS, per_device_train_batch_size=2,
             logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
-            gradient_checkpointing=args.gradient_checkpointing,
-            **({"torch_compile": True, "torch_compile_backend": args.torch_compile} if args.torch_compile else {}))
+            **trainer_options(args))
         trainer = transformers.Trainer(model=model(), args=training, train_dataset=Data())
         trainer.train()
     write_losses(args.losses, [h["loss"] for h in trainer.state.log_history if "loss" in h])
