@@ -6,12 +6,14 @@
 Five parts, each printed as it finishes (a part that fails prints its error and the next runs):
 
 1. the GPU tests: ``pytest tests/runtime/test_cuda.py tests/runtime/test_device.py`` (CUDA-only
-   tests skip elsewhere);
+   tests skip elsewhere), then test_cuda.py again under torch's CUDA stream sanitizer
+   (``TORCH_CUDA_SANITIZER=1``: it reports unsynchronized accesses across streams);
 2. GPT-2 medium (24 layers, hidden 1024, seq 1024, micro-batch 8, bf16): for keep-all, full
    activation checkpointing (DeepSpeed's, per layer) and SlackSwap at a 50% budget, the median step
    time, the allocator's peak above the model's own memory (`max_memory_allocated`, and
    `max_memory_reserved`), SlackSwap's own count of device-resident saved bytes, and beside them
-   the simulator's step time and peak for the same measured profile and plan;
+   the simulator's step time and peak for the same measured profile and plan; and SlackSwap's time
+   over keep-all's (recomputes and stalls) measured beside the simulator's, with its predicted stall;
 3. a model whose keep-all activations do not fit the GPU (GPT-2 XL shape, seq 1024, micro-batch
    16, bf16): 5 SGD steps under SlackSwap at 50% and 5 under full checkpointing from the same
    weights and data, their losses side by side, and the throughput ratio SlackSwap / checkpointing;
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import os
 import statistics
 import subprocess
 import sys
@@ -133,14 +136,21 @@ def timed_steps(model, ids, ctx_factory, gpu: Gpu, repeats: int, optimizer=None)
 
 
 def part_tests(args) -> None:
-    say("== 1. GPU tests")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-           "tests/runtime/test_cuda.py", "tests/runtime/test_device.py"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.test_timeout)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()
-    say("\n".join(tail[-15:]))
-    say(f"  pytest exit {proc.returncode} in {time.perf_counter() - t0:.0f} s")
+    say("== 1. GPU tests, then the CUDA ones again under torch's CUDA stream sanitizer (TORCH_CUDA_SANITIZER=1)")
+    runs = [("", ["tests/runtime/test_cuda.py", "tests/runtime/test_device.py"]),
+            ("TORCH_CUDA_SANITIZER=1 ", ["tests/runtime/test_cuda.py"])]
+    for env, files in runs:
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *files]
+        extra = dict(os.environ, TORCH_CUDA_SANITIZER="1") if env else None
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=args.test_timeout, env=extra)
+        except subprocess.TimeoutExpired:
+            say(f"  {env}pytest {' '.join(files)}: over {args.test_timeout} s, stopped")
+            continue
+        tail = (proc.stdout + proc.stderr).strip().splitlines()
+        say("\n".join(tail[-15:]))
+        say(f"  {env}pytest exit {proc.returncode} in {time.perf_counter() - t0:.0f} s")
 
 
 def part_medium(args, device, gpu: Gpu) -> None:
@@ -158,7 +168,7 @@ def part_medium(args, device, gpu: Gpu) -> None:
     prof = ss.profile_step(model, step, ids)
     say(f"  profiled in {time.perf_counter() - t0:.1f} s: {len(prof.ops)} ops, keep-all saved "
         f"{prof.total_bytes / 1e9:.2f} GB, profiled step peak {int(dict(prof.meta)['profiled_peak_bytes']) / 1e9:.3f} GB")
-    rows = []
+    rows, stalls = [], {}
     for name in ("keep-all", "full checkpointing", "slackswap @0.5"):
         try:
             if name == "full checkpointing":
@@ -173,6 +183,7 @@ def part_medium(args, device, gpu: Gpu) -> None:
             t, alloc, reserved, _ = timed_steps(model, ids, lambda: ex, gpu, args.repeats)
             saved = ex.stats.last_step.peak_device_bytes
             rows.append((name, t, alloc, reserved, saved, sim.step_s, sim.peak_bytes, plan.budget_bytes))
+            stalls[name] = (sim.stall_s.get("compute", 0.0), ex.stats.last_step.budget_waits)
         except Exception:  # noqa: BLE001 - report and go on
             say(f"  {name}: FAILED\n{traceback.format_exc()}")
     say(f"  {'run':22s} {'step ms':>8s} {'sim ms':>8s} {'alloc GB':>9s} {'reserved GB':>12s} {'saved GB':>9s} "
@@ -183,6 +194,13 @@ def part_medium(args, device, gpu: Gpu) -> None:
         say(f"  {name:22s} {t * 1e3:8.1f} {'-' if sim_s is None else f'{sim_s * 1e3:8.1f}':>8s} {gb(alloc):>9s} "
             f"{gb(reserved):>12s} {gb(saved):>9s} {gb(sim_peak):>13s} {gb(budget):>10s}")
     say(f"  (simulated as {hw.name}; 'alloc' = allocator peak above the weights, 'saved' = SlackSwap's count)")
+    by_name = {r[0]: r for r in rows}
+    if "keep-all" in by_name and "slackswap @0.5" in by_name:
+        keep, ours = by_name["keep-all"], by_name["slackswap @0.5"]
+        stall, waits = stalls["slackswap @0.5"]
+        say(f"  slackswap @0.5 over keep-all (recomputes and stalls): measured {(ours[1] - keep[1]) * 1e3:.1f} ms a "
+            f"step, predicted {(ours[5] - keep[5]) * 1e3:.1f} ms, of which the compute stream stalls on copies "
+            f"{stall * 1e3:.1f} ms; {waits} budget wait(s) in its last step")
     del model
     if gpu.cuda:
         torch.cuda.empty_cache()

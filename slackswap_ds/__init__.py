@@ -36,7 +36,8 @@ The map, one line per module (the one map: README.md and docs/ link here):
     logs            the slackswap_ds logger: which rank says what, said once per job
     runtime/        plans run for real: executor, steps, entries, swaps, calls, replay, verify,
                     residency, program, records, stats, aten, flat, tracing, profiler, regions,
-                    naming, takeover, compiled, compile_layout, host_pool, device, timeline
+                    naming, takeover, compiled, compile_layout, host_pool, device, emulation,
+                    stream_sanitizer, timeline
     checkpointing   drop-in deepspeed.checkpointing (inline under a plan)
     bucketing       pad_to_multiple for variable-length batches
     topology        which GPUs share a host uplink

@@ -51,6 +51,7 @@ class StepReports:
         self.worst: tuple[float, int, Prediction | None, int] = (-1.0, 0, None, 0)  # (peak/budget, peak, its plan's)
         self.over = 0  # planned steps over their plan's budget
         self.fallbacks: collections.Counter[str] = collections.Counter()
+        self.budget_waits = 0
         self.events: collections.Counter[str] = collections.Counter()  # what steps did (lifecycle transitions)
 
     def _tick(self) -> float | None:
@@ -101,12 +102,12 @@ class StepReports:
 
     def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int],
              shapes: str = "", keep_all: int | None = None, moved: tuple[int, int] = (0, 0),
-             events: Iterable = ()) -> None:
+             events: Iterable = (), budget_waits: int = 0) -> None:
         """A planned step ended (`moved`: its swapped and recomputed bytes; `events`: its lifecycle
-        transitions). Each step's peak is held against its own plan's budget: the report names the
+        transitions; `budget_waits`: copy-outs the host waited for to stay within the budget). Each step's peak is held against its own plan's budget: the report names the
         step closest to (or furthest over) its budget, with that plan's prediction and budget."""
         seconds = self._tick()
-        self.summary.step("planned", seconds, peak_bytes, fallbacks, plan, shapes, keep_all, moved)
+        self.summary.step("planned", seconds, peak_bytes, fallbacks, plan, shapes, keep_all, moved, budget_waits)
         if seconds is not None:
             self.elapsed += seconds
             self.timed += 1
@@ -115,6 +116,7 @@ class StepReports:
                                       plan.budget_bytes), key=lambda w: w[0])
         self.over += peak_bytes > plan.budget_bytes
         self.fallbacks.update(fallbacks)
+        self.budget_waits += budget_waits
         self.events.update(e.value for e in events if e.name in TALLIED)
         if not self.cfg.log_every or (self.reported and self.steps < self.cfg.log_every):
             return
@@ -129,6 +131,10 @@ class StepReports:
                  "%s B, budget %s B)%s", self.steps, per_step, 1e3 * prediction.step_s, self.hw.name,
                  measured_on(self.device_type), f"{peak:,}", f"{prediction.peak_bytes:,}", f"{budget:,}",
                  f"; {self.over} step(s) over their plan's budget" if self.over else "")
+        if self.budget_waits:
+            log.info("slackswap: in the last %d steps the host waited %d time(s) for a copy-out to end so that a save "
+                     "stayed within the budget: the copies were slower than the plan timed them", self.steps,
+                     self.budget_waits)
         if self.events:
             log.info("slackswap: since the last report: %s",
                      "; ".join(f"{n} x {what}" for what, n in sorted(self.events.items(), key=lambda e: (-e[1], e[0]))))
@@ -237,13 +243,15 @@ class JobSummary:
         self.counts: collections.Counter[str] = collections.Counter()
         self.peaks: dict[str, int] = dict.fromkeys(KINDS, 0)
         self.over_budget = 0  # planned steps whose peak exceeded their plan's budget
+        self.budget_waits = 0  # copy-outs the host waited for so that saves stayed within the budget
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.shapes: dict[str, dict] = {}
 
     def step(self, kind: str, seconds: float | None, peak_bytes: int, fallbacks: Mapping[str, int],
              plan: Plan | None = None, shapes: str = "", keep_all: int | None = None,
-             moved: tuple[int, int] = (0, 0)) -> None:
+             moved: tuple[int, int] = (0, 0), budget_waits: int = 0) -> None:
         self.counts[kind] += 1
+        self.budget_waits += budget_waits
         if seconds is not None:
             self.times[kind].append(seconds)
         self.peaks[kind] = max(self.peaks[kind], peak_bytes)
@@ -267,7 +275,8 @@ class JobSummary:
         return {"steps": {kind: self.counts[kind] for kind in KINDS}, **counters,
                 "median_step_ms": {kind: round(1e3 * statistics.median(t), 3) for kind, t in self.times.items() if t},
                 "peak_saved_bytes": {kind: self.peaks[kind] for kind in KINDS if self.counts[kind]},
-                "planned_steps_over_budget": self.over_budget, "fallbacks": dict(self.fallbacks), "shapes": shapes}
+                "planned_steps_over_budget": self.over_budget, "budget_waits": self.budget_waits,
+                "fallbacks": dict(self.fallbacks), "shapes": shapes}
 
 
 def at_exit(end_of_job) -> None:
@@ -320,6 +329,9 @@ def say_summary(data: dict, path: str | None) -> None:
                      f"recomputed {row['recomputed_bytes_per_step']:,} B")
     if len(shapes) > 8:
         lines.append(f"... and {len(shapes) - 8} more input shapes" + (f" (all in {path})" if path else ""))
+    if data.get("budget_waits"):
+        lines.append(f"the host waited {data['budget_waits']} time(s) for a copy-out to end so that a save stayed "
+                     f"within the budget (the copies were slower than the plan timed them)")
     if data["fallbacks"]:
         lines.append("saved tensors not placed as planned: "
                      + ", ".join(f"{n} x {why}" for why, n in sorted(data["fallbacks"].items())))

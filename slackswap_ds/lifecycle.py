@@ -76,6 +76,7 @@ class Step:
     peak: int = 0  # device bytes of saved tensors, over every micro-batch in flight
     moved: tuple[int, int] = (0, 0)  # bytes swapped and recomputed under its plan
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
+    budget_waits: int = 0  # copy-outs the host waited for so that saves stayed within the budget
     finished: list[StepStats] = field(default_factory=list)  # each micro-batch's counters, at its backward's end
     events: list[Transition] = field(default_factory=list)
 
@@ -96,6 +97,7 @@ class Step:
         self.finished.append(stats)
         self.peak = max(self.peak, stats.peak_device_bytes)
         self.fallbacks.update(stats.fallbacks)
+        self.budget_waits += stats.budget_waits
         if executor.plan is not None:
             self.moved = (self.moved[0] + stats.swapped_bytes, self.moved[1] + stats.recomputed_bytes)
         return stats
@@ -316,7 +318,7 @@ class ShapeLifecycle:
         unplanned = sum(stats.unplanned for stats in step.finished)
         self.shape_plans.after_planned_step(key, step.peak, unplanned, step.events)  # (may re-plan or drop it)
         self.reports.step(plan, prediction, step.peak, step.fallbacks, str(shapes_of(key)), keep_all, step.moved,
-                          step.events)
+                          step.events, step.budget_waits)
 
     # ---- runners -----------------------------------------------------------------------------------------
     def _runner(self, key: ShapeKey, tag: Hashable) -> Runner:

@@ -76,6 +76,19 @@ def pytest_sessionfinish(session):
             pass
 
 
+@pytest.fixture(autouse=True)
+def emulated_copies_settle():
+    """Under SLACKSWAP_ASYNC_EMULATION=1 each test ends with the process device's copies landed, and a
+    broken Stream-protocol rule still pending (found by a copy's worker thread) fails the test that
+    caused it, not a later one."""
+    yield
+    if os.environ.get("SLACKSWAP_ASYNC_EMULATION", "").strip().lower() in ("1", "true", "on", "yes"):
+        from slackswap_ds.runtime.device import Device
+
+        if Device._current is not None and Device._current.has_streams:
+            Device._current.synchronize()
+
+
 @pytest.fixture(scope="session")
 def a100():
     return load_hardware("a100-80g-pcie4")

@@ -36,6 +36,7 @@ from .compiled import is_compiled
 from .replay import (Recorder, ReplayError, autocast_state, host_rng_states, rng_states, run_compiled_replay,
                      run_replay)
 from .residency import Residency
+from .stream_sanitizer import StreamProtocolError
 from .swaps import Swaps
 from .verify import Verifier
 
@@ -147,6 +148,8 @@ class LayerCalls:
             else:
                 run_replay(self, call, step.program.rerun.get(call.label, frozenset()), args, kwargs,
                            self._replay_context)
+        except StreamProtocolError:  # the runtime's own copies broke the protocol: never a layer's failure
+            raise
         except Exception as e:  # noqa: BLE001 - any failure of the model's code in a replay
             why = f"replay failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
             needed = [entry for entry in call.targets.values() if entry.holders > 0]

@@ -24,6 +24,7 @@ overlap does not exist.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..errors import SlackSwapError
+from .emulation import emulated_if_requested
 
 __all__ = ["CopyHandle", "Device", "DeviceError", "DeviceStats", "TorchAccelerator", "device_of"]
 
@@ -61,13 +63,12 @@ class DeviceError(SlackSwapError, ValueError):
 #   3. keep `src` alive until the event has completed. `src` was allocated on the compute stream;
 #      if it were freed while the copy is in flight, the allocator would hand its block to the
 #      next compute-stream allocation, whose kernels are not ordered after the side stream's copy.
-#      The CopyHandle holds a reference to `src` and drops it only when the copy is known complete:
-#      `done()` sees the event finished, `wait()` synchronized on it, or `wait_on_current()` made
-#      the compute stream wait for it (then reuse of `src`'s block, which happens in compute-stream
-#      order, is ordered after the copy — assuming `src` was allocated on the stream that was current
-#      at `copy_out`, as activations are). We do not use `src.record_stream(side)`: it holds the block
-#      until *all* work queued on the side stream at free time is done (later swaps included), which
-#      inflates device memory — the handle releases it exactly at the copy's own event.
+#      The Device holds a reference to `src` (in its per-stream queue of copies in flight, whoever
+#      holds the copy's handle: a step abandoned mid-forward drops its handles) and drops it once
+#      the copy's event is seen complete: at the next copy on that stream, or when a handle's
+#      `done()` / `wait()` sees its copy complete. We do not use `src.record_stream(side)`: it holds
+#      the block until *all* work queued on the side stream at free time is done (later swaps
+#      included), which inflates device memory — the queue releases it at the copy's own event.
 #   4. the host buffer may be read by the host only after the event (`wait()` / `done()`), and
 #      must not be handed to another copy before then (HostPool.release(buf, after=handle)).
 #
@@ -112,24 +113,20 @@ class CopyHandle:
     `wait_on_current()` makes the current stream wait on the device. Each returns/keeps `tensor`.
     """
 
-    __slots__ = ("direction", "nbytes", "tensor", "host_waited", "_device", "_event", "_keep",
-                 "_origin_stream", "_complete")
+    __slots__ = ("direction", "nbytes", "tensor", "host_waited", "_device", "_event", "_complete")
 
-    def __init__(self, device: "Device", direction: str, tensor: torch.Tensor, nbytes: int, event: Any = None,
-                 keep: tuple = (), origin_stream: Any = None):
+    def __init__(self, device: "Device", direction: str, tensor: torch.Tensor, nbytes: int, event: Any = None):
         self.direction = direction            # "d2h" or "h2d"
         self.nbytes = nbytes
         self.tensor = tensor
         self.host_waited = False              # True once a wait() on this handle had to block
         self._device = device
         self._event = event                   # None: the copy was synchronous
-        self._keep = keep                     # tensors the in-flight copy still reads (rule 3 / 8)
-        self._origin_stream = origin_stream   # the stream that was current at issue
         self._complete = event is None
 
     def _finish(self) -> None:
         self._complete = True
-        self._keep = ()
+        self._device._let_go(self.direction)
 
     def done(self) -> bool:
         """True once the copy has completed (polls the event; never blocks). Releases the source."""
@@ -150,13 +147,9 @@ class CopyHandle:
     def wait_on_current(self) -> torch.Tensor:
         """Make the current stream wait for the copy (no host synchronization); return the destination.
 
-        Use it before the compute stream reads a prefetched tensor (rule 7). For a D2H copy issued
-        from this same stream it also releases the device source (rule 3)."""
+        Use it before the compute stream reads a prefetched tensor (rule 7)."""
         if self._event is not None:
-            current = self._device._acc.current_stream()
-            current.wait_event(self._event)
-            if self.direction == "d2h" and current == self._origin_stream:
-                self._keep = ()
+            self._device._acc.current_stream().wait_event(self._event)
         return self.tensor
 
     def __repr__(self) -> str:
@@ -217,11 +210,15 @@ class TorchAccelerator:
 
 
 def _default_accelerator():
+    """DeepSpeed's accelerator (plain torch's without DeepSpeed); on a CPU, the emulated asynchronous
+    device instead when SLACKSWAP_ASYNC_EMULATION asks for it (emulation.py), said once."""
     try:
         from deepspeed.accelerator import get_accelerator  # slow import: only here, lazily
     except ImportError:
-        return TorchAccelerator()
-    return get_accelerator()
+        acc = TorchAccelerator()
+    else:
+        acc = get_accelerator()
+    return emulated_if_requested(acc)
 
 
 def _native_pinning_active() -> bool:
@@ -243,7 +240,7 @@ class Device:
     _current_lock: ClassVar[threading.Lock] = threading.Lock()
 
     __slots__ = ("_acc", "_name", "_torch_device", "_has_streams", "_d2h", "_h2d", "_lock", "_counts",
-                 "_pinning")
+                 "_pinning", "_in_flight")
 
     def __init__(self, accelerator=None):
         acc = _default_accelerator() if accelerator is None else accelerator
@@ -257,6 +254,8 @@ class Device:
         self._lock = threading.Lock()         # hooks may run on autograd's device threads
         self._counts = dict(copies_d2h=0, copies_h2d=0, bytes_d2h=0, bytes_h2d=0, host_waits=0)
         self._pinning: tuple[bool, bool] | None = None   # (pins for real, torch rounds to 2^k), probed lazily
+        # per side stream, its copies in flight, oldest first: (event, the source the copy reads)
+        self._in_flight: dict[str, collections.deque] = {"d2h": collections.deque(), "h2d": collections.deque()}
 
     @classmethod
     def current(cls) -> "Device":
@@ -375,16 +374,17 @@ class Device:
         nbytes = src.numel() * src.element_size()
         self._count("d2h", nbytes)
         if not self._has_streams:
-            self._copy(dst, src, None)
+            self._copy(dst, src, None, "d2h")
             return CopyHandle(self, "d2h", dst, nbytes)
         acc = self._acc
         current, side = acc.current_stream(), self._side("d2h")
         side.wait_stream(current)                                   # rule 1
         with acc.stream(side):
-            self._copy(dst, src, side)                              # rule 2
+            self._copy(dst, src, side, "d2h")                       # rule 2
             event = acc.Event()
             event.record(side)
-        return CopyHandle(self, "d2h", dst, nbytes, event, keep=(src,), origin_stream=current)  # rule 3
+        self._hold("d2h", event, src)                               # rule 3
+        return CopyHandle(self, "d2h", dst, nbytes, event)
 
     def copy_in(self, src: torch.Tensor, dst: torch.Tensor | None = None, *,
                 after: CopyHandle | None = None) -> CopyHandle:
@@ -406,7 +406,7 @@ class Device:
             with torch.no_grad():
                 dst = torch.empty(src.shape, dtype=src.dtype, device=self._torch_device)   # rule 5
         if not self._has_streams:
-            self._copy(dst, src, None)
+            self._copy(dst, src, None, "h2d")
             return CopyHandle(self, "h2d", dst, nbytes)
         acc = self._acc
         current, side = acc.current_stream(), self._side("h2d")
@@ -414,18 +414,19 @@ class Device:
         if after is not None and not after.done():
             side.wait_event(after._event)                           # rule 6
         with acc.stream(side):
-            self._copy(dst, src, side)                              # rule 6
+            self._copy(dst, src, side, "h2d")                       # rule 6
             event = acc.Event()
             event.record(side)
-        return CopyHandle(self, "h2d", dst, nbytes, event, keep=(src,), origin_stream=current)
+        self._hold("h2d", event, src)                               # (rule 8's buffer: the pool)
+        return CopyHandle(self, "h2d", dst, nbytes, event)
 
-    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream, direction: str) -> None:
         """`dst.copy_(src)`, non-blocking on `stream` (None: synchronous). An accelerator may issue
-        copies itself (`issue_copy`; the tests' late-completing fake does, DeepSpeed's do not)."""
+        copies itself (`issue_copy`: the emulated device does, emulation.py; DeepSpeed's do not)."""
         issue = getattr(self._acc, "issue_copy", None)
         with torch.no_grad():
             if issue is not None and stream is not None:
-                issue(dst, src, stream)
+                issue(dst, src, stream, direction)
             else:
                 dst.copy_(src, non_blocking=stream is not None)
 
@@ -434,6 +435,9 @@ class Device:
         if self._has_streams:
             self._count_host_wait()
         self._acc.synchronize()
+        with self._lock:
+            for q in self._in_flight.values():
+                q.clear()
 
     # -- counters -------------------------------------------------------------------------------
     def stats(self) -> DeviceStats:
@@ -451,6 +455,19 @@ class Device:
             self._counts[f"copies_{direction}"] += 1
             self._counts[f"bytes_{direction}"] += nbytes
 
+    def _hold(self, direction: str, event: Any, src: torch.Tensor) -> None:
+        """Keep `src` until its copy's event completes (Stream protocol, rule 3)."""
+        with self._lock:
+            self._in_flight[direction].append((event, src))
+        self._let_go(direction)
+
+    def _let_go(self, direction: str) -> None:
+        """Drop the sources of the oldest copies of `direction` whose events have completed (one stream
+        completes its copies in order)."""
+        with self._lock:
+            q = self._in_flight[direction]
+            while q and q[0][0].query():
+                q.popleft()
     def _count_host_wait(self) -> None:
         with self._lock:
             self._counts["host_waits"] += 1

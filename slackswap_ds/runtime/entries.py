@@ -145,7 +145,7 @@ class Entries:
             return
         if entry.decision is Decision.SWAP:
             program = step.program
-            if self.swaps.swap_out(entry, st, blocking=program is None or program.blocking):
+            if self.swaps.swap_out(entry, t, st, blocking=program is None or program.blocking):
                 step.stats.swapped_bytes += entry.nbytes
                 return
             entry.decision = _fallback(step, "host pool exhausted")

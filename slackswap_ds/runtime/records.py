@@ -42,7 +42,7 @@ class Entry:
     """One saved storage in one step."""
 
     __slots__ = ("key", "decision", "nbytes", "first_read", "storage", "buffer", "holders", "resident",
-                 "out_handle", "in_handle", "reached", "original", "ref", "step", "call")
+                 "out_handle", "in_handle", "reached", "original", "ref", "step", "call", "watch", "changed")
 
     def __init__(self, key: str, decision: Decision, nbytes: int, first_read: int | None,
                  ref: StorageWeakRef | None, step: Step):
@@ -57,6 +57,18 @@ class Entry:
         self.reached = False  # backward has unpacked it
         self.original: HostBuffer | None = None  # forward's bytes (verification of a RECOMPUTE entry)
         self.call: CallRecord | None = None  # the layer call whose replay makes it (RECOMPUTE)
+        self.watch: tuple[torch.Tensor, int] | None = None  # (saved tensor, its version) while its copy-out runs
+        self.changed: int | None = None  # the version it had when found changed in place during its copy-out
+
+    def copied_out(self) -> None:
+        """Its asynchronous copy-out has ended (or backward needs it): a saved tensor changed in place
+        since its save may have been read before or after the change (the copy ran beside compute),
+        so backward gets autograd's in-place error for it instead of either value."""
+        if self.watch is not None:
+            t, version = self.watch
+            self.watch = None
+            if t._version != version:
+                self.changed = t._version
 
 
 class Holder:

@@ -2,7 +2,8 @@
 
 An entry (records.py) counts from its save (or the start of its copy-in, or its regeneration by
 a replay) until the last holder is released, and a swap counts until its copy-out has ended
-(rule 3 of the "Stream protocol" in device.py: the device storage lives until then). The bytes
+(rule 3 of the "Stream protocol" in device.py: the device storage lives until then; a save that would
+pass the plan's budget meanwhile waits for the oldest copy-outs, `budget_waits`). The bytes
 are counted over every open step at once (the micro-batches a pipeline stage holds), so a step's
 peak is the executor's while that step was open. Tensors on another device than the model's are
 not counted here (stats.other_device_bytes).
@@ -32,8 +33,12 @@ class Residency:
         self._in_flight: collections.deque[Entry] = collections.deque()  # copy-outs, oldest first
 
     def count_resident(self, entry: Entry) -> None:
-        """`entry`'s storage is on the device now (counted once however often it is said)."""
+        """`entry`'s storage is on the device now (counted once however often it is said). Where it
+        would pass its plan's budget while copy-outs are still in flight (copies slower than the plan
+        timed them), the host first waits for the oldest of them: time for memory, never the budget."""
         if not entry.resident:
+            if self._in_flight:
+                self._make_room(entry)
             entry.resident = True
             self.bytes += entry.nbytes
             stats = entry.step.stats
@@ -59,9 +64,22 @@ class Residency:
         """`entry`'s copy-out was issued: it leaves the device when `poll` sees the copy ended."""
         self._in_flight.append(entry)
 
+    def _make_room(self, entry: Entry) -> None:
+        program = entry.step.program
+        budget = program.plan.budget_bytes if program is not None else None
+        q = self._in_flight
+        while q and budget is not None and self.bytes + entry.nbytes > budget:
+            oldest = q.popleft()
+            oldest.out_handle.wait()
+            oldest.copied_out()
+            self.drop_resident(oldest)
+            entry.step.stats.budget_waits += 1
+
     def poll(self) -> None:
         """Swaps whose copy-out has ended leave the device. Copies on one stream end in order, so
         only the oldest is polled (never blocks)."""
         q = self._in_flight
         while q and q[0].out_handle.done():
-            self.drop_resident(q.popleft())
+            entry = q.popleft()
+            entry.copied_out()
+            self.drop_resident(entry)

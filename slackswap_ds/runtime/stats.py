@@ -27,6 +27,7 @@ class StepStats:
     peak_device_bytes: int = 0
     host_pool_bytes: int = 0
     copy_waits: int = 0  # swapped tensors backward needed before their prefetch had run
+    budget_waits: int = 0  # copy-outs the host waited for so that a save stayed within the budget (slow copies)
     other_device_bytes: int = 0  # saved tensors on another device than the model's (left alone)
     unplanned: int = 0  # saved tensors its plan's profile does not have (another code path): to host
     resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway

@@ -49,8 +49,8 @@ class Swaps:
         """Host bytes the pool has handed out (0 before any swap made one)."""
         return self._pool.stats().bytes_in_use if self._pool is not None else 0
 
-    def swap_out(self, entry: Entry, st: torch.UntypedStorage, blocking: bool) -> bool:
-        """Copy `entry`'s storage `st` to a host buffer; False if the pool has none to give."""
+    def swap_out(self, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage, blocking: bool) -> bool:
+        """Copy `entry`'s storage `st` (saved as `t`) to a host buffer; False if the pool has none to give."""
         nbytes = entry.nbytes
         buf = self.pool.acquire(nbytes)
         if buf is None:
@@ -64,6 +64,8 @@ class Swaps:
             timeline.span("d2h", "copy_out", entry.key, start, timeline.now(), nbytes)
         if blocking:
             entry.out_handle.wait()  # forward waits for it (plan.blocking; Stream protocol rule 4)
+        elif self.device.has_streams:  # an in-place change of `t` while the copy runs: said in backward
+            entry.watch = (t.detach(), t._version)  # (detach: the same version counter, no autograd graph)
         residency.copying_out(entry)
         residency.poll()
         return True
@@ -83,6 +85,7 @@ class Swaps:
 
     def copy_in(self, entry: Entry) -> None:
         """Issue the H2D copy (side stream, ordered after its copy-out); the bytes count from now."""
+        entry.copied_out()
         self.residency.count_resident(entry)
         timeline = self.residency.timeline
         start = timeline.now() if timeline else 0.0

@@ -1,6 +1,6 @@
 """What the runtime tests share: one step from a fixed RNG state, bit-exact comparison, profiles
 whose op times come from a fake clock (so the plans a test gets never depend on how fast this
-machine ran an op), seeded random plans, and soak sampling (live tensors, RSS)."""
+machine ran an op), seeded random plans, soak sampling (live tensors, RSS), and real training loops."""
 
 from __future__ import annotations
 
@@ -39,6 +39,26 @@ def assert_exact(got: Result, want: Result) -> None:
     assert grads_a.keys() == grads_b.keys()
     differ = [n for n in grads_a if not torch.equal(grads_a[n], grads_b[n])]
     assert not differ, f"gradients differ: {differ[:5]}"
+
+
+def assert_peak_as_predicted(peak: int, prof: StepProfile, plan: Plan, exact: bool = False) -> None:
+    """A step's measured peak against the simulator on `Hardware.instant_copies()`, the executor's
+    model when copies are synchronous (CPU): never above it (`exact`: equal), which is within the
+    budget. On an asynchronous device (SLACKSWAP_ASYNC_EMULATION=1) copy-outs in flight hold bytes
+    that Schedule does not have: there the peak is held to the budget only (residency.py waits)."""
+    from slackswap_ds.hardware import Hardware
+    from slackswap_ds.plan import lower
+    from slackswap_ds.runtime.device import Device
+    from slackswap_ds.simulator import simulate
+
+    predicted = simulate(lower(prof, plan), Hardware.instant_copies()).peak_bytes
+    assert predicted <= plan.budget_bytes
+    if Device.current().has_streams:
+        assert peak <= plan.budget_bytes, (peak, plan.budget_bytes)
+    elif exact:
+        assert peak == predicted
+    else:
+        assert peak <= predicted, (peak, predicted)
 
 
 def fake_clock(step: float = 1e-6) -> Callable[[], float]:
@@ -95,3 +115,42 @@ def soak(step: Callable[[], Any], steps: int, sample_at: tuple[int, int], also: 
         if i in sample_at:
             samples.append((live_tensors(), rss(), also()))
     return samples
+
+
+# -- real training loops (test_loops.py; under the emulated device, test_emulation.py) --------------
+
+def two_forwards(model, batch):
+    """R-Drop: the same batch twice (two dropout masks), one loss, one backward."""
+    a, b = model(**batch), model(**batch)
+    loss = a.loss + b.loss + (a.logits - b.logits).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def no_grad_forward_between(model, batch):
+    out = model(**batch)
+    with torch.no_grad():
+        model(**batch)  # e.g. an EMA teacher or a metric
+    out.loss.backward()
+    return out.loss
+
+
+def eval_forward_between(model, batch):
+    out = model(**batch)
+    model.eval()
+    probe = model(**batch)  # with grad, in eval mode: not planned, left to autograd
+    model.train()
+    (out.loss + 0 * probe.loss).backward()
+    return out.loss
+
+
+def accumulate(model, batch, micro=3):
+    total = 0
+    for _ in range(micro):
+        out = model(**batch)
+        (out.loss / micro).backward()
+        total = total + out.loss.detach()
+    return total
+
+
+LOOPS = (two_forwards, no_grad_forward_between, eval_forward_between, accumulate)

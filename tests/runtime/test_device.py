@@ -7,6 +7,7 @@ import torch
 
 from slackswap_ds.errors import SlackSwapError
 from slackswap_ds.runtime.device import CopyHandle, Device, DeviceError, DeviceStats, TorchAccelerator
+from slackswap_ds.runtime.emulation import emulation_requested
 from slackswap_ds.runtime.host_pool import HostPool
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -37,7 +38,7 @@ def test_deepspeed_cpu_accelerator_has_no_streams_and_does_not_pin():
 
 def test_current_is_cached():
     assert Device.current() is Device.current()
-    assert Device.current().has_streams == torch.cuda.is_available()
+    assert Device.current().has_streams == (torch.cuda.is_available() or emulation_requested())
 
 
 def test_empty_pinned_is_flat_uint8(cpu):
@@ -203,6 +204,21 @@ class FakeAccelerator:
         return False
 
 
+def held(dev: Device, direction: str) -> list:
+    """The sources the device keeps for its copies of `direction` in flight (rule 3)."""
+    return [src for _, src in dev._in_flight[direction]]
+
+
+def test_a_dropped_handle_leaves_its_source_held_until_the_copy_ends(scripted):
+    dev, acc = scripted
+    src = torch.ones(3)
+    dev.copy_out(src, torch.empty(3))                          # (the handle is dropped at once)
+    assert held(dev, "d2h") == [src]
+    acc.events[-1].complete = True
+    dev.copy_out(torch.zeros(2), torch.empty(2))               # the next copy lets the finished one go
+    assert len(held(dev, "d2h")) == 1 and held(dev, "d2h")[0] is not src
+
+
 @pytest.fixture
 def scripted(monkeypatch):
     acc = FakeAccelerator()
@@ -221,14 +237,14 @@ def test_scripted_d2h_protocol(scripted):
     src, host = torch.arange(6.0), torch.empty(6)
     h = dev.copy_out(src, host)
     assert acc.log == [("wait_stream", "d2h", "compute"), ("enter", "d2h"), ("record", "d2h"), ("exit", "d2h")]
-    assert torch.equal(host, src) and not h.done() and h._keep == (src,)     # rule 3: src held
+    assert torch.equal(host, src) and not h.done() and held(dev, "d2h") == [src]   # rule 3: src held
     acc.log.clear()
-    h.wait_on_current()                                        # compute waits; src may now be freed
-    assert acc.log == [("wait_event", "compute", "d2h")] and h._keep == () and not h.done()
+    h.wait_on_current()                                        # compute waits
+    assert acc.log == [("wait_event", "compute", "d2h")] and not h.done()
     assert dev.stats().host_waits == 0
     acc.log.clear()
     h.wait()                                                   # event still incomplete: host blocks
-    assert acc.log == [("synchronize_event", "d2h")] and h.host_waited and h.done()
+    assert acc.log == [("synchronize_event", "d2h")] and h.host_waited and h.done() and held(dev, "d2h") == []
     assert dev.stats() == DeviceStats(1, 0, 24, 0, 1)
     h.wait()
     assert dev.stats().host_waits == 1                         # already complete: no second wait
@@ -238,9 +254,9 @@ def test_scripted_d2h_source_released_when_event_completes(scripted):
     dev, acc = scripted
     src = torch.ones(3)
     h = dev.copy_out(src, torch.empty(3))
-    assert not h.done() and h._keep == (src,)
+    assert not h.done() and held(dev, "d2h") == [src]
     acc.events[-1].complete = True
-    assert h.done() and h._keep == ()
+    assert h.done() and held(dev, "d2h") == []
     h.wait()
     assert not h.host_waited and dev.stats().host_waits == 0
 
@@ -252,13 +268,13 @@ def test_scripted_h2d_protocol_allocates_on_compute_and_orders_after_it(scripted
     # rule 5: allocated on the compute stream (outside the side stream), the copy after compute
     assert acc.log == [("wait_stream", "h2d", "compute"), ("enter", "h2d"), ("record", "h2d"), ("exit", "h2d")]
     assert torch.equal(h.tensor, host) and h.tensor.data_ptr() != host.data_ptr()
-    assert h._keep == (host,)                                  # rule 8: the pinned source is still read
+    assert held(dev, "h2d") == [host]                          # the pinned source is still read
     acc.log.clear()
     t = h.wait_on_current()
     assert acc.log == [("wait_event", "compute", "h2d")]       # rule 7; no record_stream needed
-    assert h._keep == (host,)                                  # the host buffer waits for done()
+    assert held(dev, "h2d") == [host]                          # the host buffer waits for done()
     acc.events[-1].complete = True
-    assert h.done() and h._keep == () and t is h.tensor
+    assert h.done() and held(dev, "h2d") == [] and t is h.tensor
 
 
 def test_scripted_h2d_after_a_copy_out_waits_on_its_event_not_the_host(scripted):

@@ -16,12 +16,13 @@ from slackswap_ds.hardware import Hardware
 from slackswap_ds.plan import Decision, Kind, Plan, lower
 from slackswap_ds.planners.common import keep_all
 from slackswap_ds.runtime.device import Device
+from slackswap_ds.runtime.emulation import Delays, EmulatedAccelerator
 from slackswap_ds.runtime.executor import Executor
 from slackswap_ds.runtime.host_pool import HostPool
 from slackswap_ds.runtime.program import Program
 from slackswap_ds.simulator import simulate
 
-from exactness import assert_exact, profile, random_plan, run
+from exactness import assert_exact, assert_peak_as_predicted, profile, random_plan, run
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,16 +96,11 @@ def test_measured_peak_against_the_simulated_peak(setup, planner):
     budget = 1.0 if planner == "keep-all" else 0.5
     plan = ss.plan(prof, Hardware.instant_copies(), budget, planner=planner)
     assert plan.blocking is (planner == "offload-all")
-    predicted = simulate(lower(prof, plan), Hardware.instant_copies()).peak_bytes
     with ss.apply(model, plan, prof) as stats:
         for _ in range(2):
             step(model, ids)
-    measured = stats.last_step.peak_device_bytes
-    if planner in ("keep-all", "offload-all"):
-        assert measured == predicted
-    else:
-        assert measured <= predicted
-    assert measured <= plan.budget_bytes and stats.last_step.copy_waits == 0
+    assert_peak_as_predicted(stats.last_step.peak_device_bytes, prof, plan, exact=planner in ("keep-all", "offload-all"))
+    assert stats.last_step.copy_waits == 0
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -256,8 +252,16 @@ def test_in_place_change_of_a_saved_tensor_never_gives_a_wrong_gradient():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         with ss.apply(model, plans[Decision.KEEP], prof):
             sneaky_step(model, x)
-    assert_exact(run(model, sneaky_step, x, ss.apply(model, plans[Decision.SWAP], prof)),
-                 run(model, honest_step, x))
+    # a swap copied synchronously (CPU) holds the values forward used: the honest step's gradients
+    if not Device.current().has_streams:
+        assert_exact(run(model, sneaky_step, x, ss.apply(model, plans[Decision.SWAP], prof)),
+                     run(model, honest_step, x))
+    # an asynchronous copy (a GPU's; the emulated device) may read before or after the change: autograd's error
+    device = Device(EmulatedAccelerator(Delays.parse("20ms")))
+    changed = "modified by an inplace operation: saved tensor 'after.layers.0:0:sigmoid' is at version 1"
+    with pytest.raises(RuntimeError, match=changed):
+        with ss.apply(model, plans[Decision.SWAP], prof, device=device, pool=HostPool(None, device)):
+            sneaky_step(model, x)
 
 
 def test_recorded_timeline_is_a_trace_of_the_measured_step():

@@ -9,7 +9,8 @@ import torch
 
 import slackswap_ds as ss
 
-from exactness import assert_exact, profile, random_plan, run, soak, without_caches
+from exactness import (accumulate, assert_exact, eval_forward_between, no_grad_forward_between, profile, random_plan,
+                       run, soak, two_forwards, without_caches)
 
 transformers = pytest.importorskip("transformers")
 import zoo  # noqa: E402  (needs transformers)
@@ -22,40 +23,6 @@ def gpt2():
     transformers.logging.set_verbosity_error()
     model, batch = zoo.ZOO["gpt2-eager"].build(torch.float32)
     return without_caches(model), batch
-
-
-def two_forwards(model, batch):
-    """R-Drop: the same batch twice (two dropout masks), one loss, one backward."""
-    a, b = model(**batch), model(**batch)
-    loss = a.loss + b.loss + (a.logits - b.logits).pow(2).mean()
-    loss.backward()
-    return loss
-
-
-def no_grad_forward_between(model, batch):
-    out = model(**batch)
-    with torch.no_grad():
-        model(**batch)  # e.g. an EMA teacher or a metric
-    out.loss.backward()
-    return out.loss
-
-
-def eval_forward_between(model, batch):
-    out = model(**batch)
-    model.eval()
-    probe = model(**batch)  # with grad, in eval mode: not planned, left to autograd
-    model.train()
-    (out.loss + 0 * probe.loss).backward()
-    return out.loss
-
-
-def accumulate(model, batch, micro=3):
-    total = 0
-    for _ in range(micro):
-        out = model(**batch)
-        (out.loss / micro).backward()
-        total = total + out.loss.detach()
-    return total
 
 
 @pytest.mark.parametrize("loop", [two_forwards, no_grad_forward_between, eval_forward_between, accumulate])
