@@ -296,3 +296,18 @@ def test_compiled_side_by_side_prints_every_row(capsys):
     assert float(rows["slackswap compiled"][2]) <= 0.5 + 1e-9
     # the partitioner's recompute-only knapsack: predicted as such on the compiled profile (or infeasible)
     assert all(p.startswith("~") or p == "infeasible" for p in rows["torch memory budget"][-2:]), rows
+
+
+def test_emulated_overlap_quick(tmp_path, capsys):
+    """One case through the emulated device: predicted and measured stalls side by side, in the JSON."""
+    from benchmarks import emulated_overlap
+
+    assert emulated_overlap.main(["--quick", "--json", str(tmp_path / "overlap.json")]) == 0
+    data = json.loads((tmp_path / "overlap.json").read_text())
+    (row,) = data["rows"]
+    assert row["case"] == "zoo llama: slackswap @0.5" and row["swapped_bytes"] > 0
+    for key in ("predicted_stall_s", "predicted_delta_s", "measured_blocked_s", "measured_delta_s", "budget_waits"):
+        assert row[key] >= 0 or key.endswith("delta_s"), (key, row[key])
+    assert row["peak_bytes"] <= row["budget_bytes"]
+    assert "measured blocked" in capsys.readouterr().out
+

@@ -38,7 +38,7 @@ def test_the_summary_counts_steps_by_kind_and_planned_steps_per_shape():
         "steps": {"warm-up": 1, "profiled": 1, "planned": 2, "shelter": 0}, "profiled_steps": 1, "derived_plans": 0,
         "median_step_ms": {"profiled": 500.0, "planned": 300.0},
         "peak_saved_bytes": {"warm-up": 10, "profiled": 20, "planned": 50},
-        "planned_steps_over_budget": 1, "fallbacks": {"host pool exhausted: kept": 1},
+        "planned_steps_over_budget": 1, "budget_waits": 0, "fallbacks": {"host pool exhausted: kept": 1},
         "shapes": [{"shapes": "[(2, 8)]", "steps": 2, "peak_bytes": 50, "swapped_bytes": 16, "recomputed_bytes": 4,
                     "plan": plan.digest[:12], "planner": "slackswap", "budget_bytes": 40, "keep_all_bytes": 60,
                     "swapped_bytes_per_step": 8, "recomputed_bytes_per_step": 2}]}
@@ -100,6 +100,23 @@ def test_each_steps_peak_is_held_against_its_own_plans_budget(caplog):
         report.step(a_plan(40), Prediction(0.9, 0.012, 38), 45, {}, "[(2, 4)]", 80)
     last = [r.getMessage() for r in caplog.records][-1]
     assert "peak of saved activations 45 B (predicted 38 B, budget 40 B); 1 step(s) over their plan's budget" in last
+
+
+def test_copy_outs_waited_for_to_hold_the_budget_are_counted_and_said(caplog):
+    """Copies slower than the plan timed them: the host waited for copy-outs so that saves stayed within
+    the budget (residency.py). The report and the summary say how often; a window without any does not."""
+    report = reports(log_every=2)
+    plan, prediction = a_plan(), Prediction(0.9, 0.012, 35)
+    with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+        report.step(plan, prediction, 30, {}, "[(2, 8)]", 60)
+        report.step(plan, prediction, 30, {}, "[(2, 8)]", 60, budget_waits=3)
+        report.step(plan, prediction, 30, {}, "[(2, 8)]", 60, budget_waits=2)
+        report.step(plan, prediction, 30, {}, "[(2, 8)]", 60)
+        report.step(plan, prediction, 30, {}, "[(2, 8)]", 60)
+    waited = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert waited == ["slackswap: in the last 2 steps the host waited 5 time(s) for a copy-out to end so that a save "
+                      "stayed within the budget: the copies were slower than the plan timed them"]
+    assert report.summary.data()["budget_waits"] == 5
 
 
 def test_repeated_lifecycle_events_are_counted_into_the_report(caplog):

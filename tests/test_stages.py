@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from slackswap_ds.runtime.emulation import emulation_requested
+
 from jobs import DEADLINES, FAULT_TIMEOUT_S, ROOT, TRANSPORTS_MPI_SLOW, Job, assert_named, launch_in_turn, run_ranks, sharing
 
 pytest.importorskip("deepspeed")
@@ -61,7 +63,8 @@ def test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight(pip
         assert r["holds"] == (2 if r["stage"] == 0 else 1)
         assert r["budget"] == r["keep_all"] // 2  # 50% of the stage's keep-all peak (holds x one micro-batch)
         assert 0 < r["peak"] <= r["budget"], r
-        assert r["peak"] <= r["predicted_peak"]  # CPU copies are synchronous: never above the plan's peak
+        if not emulation_requested():  # CPU copies are synchronous: never above the plan's peak
+            assert r["peak"] <= r["predicted_peak"]
         # the warm-up batches (and the profiling batch's untraced micro-batches) in the shelter: within it too
         assert 0 < r["shelter_peak"] <= r["budget"], r
 

@@ -456,14 +456,12 @@ class Device:
             self._counts[f"bytes_{direction}"] += nbytes
 
     def _hold(self, direction: str, event: Any, src: torch.Tensor) -> None:
-        """Keep `src` until its copy's event completes (Stream protocol, rule 3)."""
-        with self._lock:
+        with self._lock:  # `src` lives until its copy's event completes (Stream protocol, rule 3)
             self._in_flight[direction].append((event, src))
         self._let_go(direction)
 
     def _let_go(self, direction: str) -> None:
-        """Drop the sources of the oldest copies of `direction` whose events have completed (one stream
-        completes its copies in order)."""
+        """Drop the sources of `direction`'s oldest copies that have ended (a stream ends them in order)."""
         with self._lock:
             q = self._in_flight[direction]
             while q and q[0][0].query():

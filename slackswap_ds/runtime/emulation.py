@@ -206,7 +206,7 @@ class EmulatedStream:
         self._cond = threading.Condition()
         self._worker: threading.Thread | None = None
         self._rng = random.Random(acc.delays.seed * 1000 + sid)
-        self._busy_until = 0.0
+        self._busy_until = 0.0                        # when the link ends the copy it runs (perf_counter)
 
     @property
     def is_compute(self) -> bool:
@@ -220,7 +220,7 @@ class EmulatedStream:
         on_compute = event.stream is None or event.stream.is_compute
         self.acc.sanitizer.waited(self.sid, event.clock, on_compute)
         if not event._done.is_set():
-            self._enqueue(event._done.wait)
+            self._enqueue(lambda: self._waited_for(event))
 
     def wait_stream(self, other: "EmulatedStream") -> None:
         event = EmulatedEvent()
@@ -260,8 +260,17 @@ class EmulatedStream:
         delay = self.acc.delays.of(nbytes, self._rng)
         sanitizer = self.acc.sanitizer
 
+        issued = time.perf_counter()
+
         def land() -> None:
-            time.sleep(delay) if delay > 0 else None
+            # The link takes the copy once it is issued and the copy before it has ended; the copy ends
+            # `delay` later. Timed from when the previous one should have ended, not from when this
+            # thread woke (sleep overshoots by ~0.1 ms here): back-to-back copies keep the link's pace.
+            end = max(self._busy_until, issued) + delay
+            self._busy_until = end
+            remaining = end - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
             alive = source()
             if alive is None:                         # rule 3: its block could hold other data by now
                 sanitizer.source_lost(self.sid, seq)
@@ -271,6 +280,10 @@ class EmulatedStream:
             del alive
 
         self._enqueue(land)
+
+    def _waited_for(self, event: EmulatedEvent) -> None:
+        event._done.wait()
+        self._busy_until = max(self._busy_until, event.when)  # nothing after the wait starts before it
 
     # -- the worker ---------------------------------------------------------------------------
     def _enqueue(self, op: Callable[[], None]) -> None:

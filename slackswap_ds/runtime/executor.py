@@ -423,11 +423,9 @@ class Executor:
             t = self._calls.materialize(entry, holder.meta)
         if t is None:
             raise ReplayError(f"saved tensor {entry.key!r} was needed after it was released")
-        if entry.changed is not None:  # changed in place while its copy-out ran (records.Entry.copied_out)
-            _modified(entry.key, holder.version, entry.changed)
-        alive = holder.alive()
-        if alive is not None and alive._version != holder.version:
-            _modified(entry.key, holder.version, alive._version)
+        now = holder.changed()
+        if now is not None:
+            _modified(entry.key, holder.version, now)
         return t
 
 

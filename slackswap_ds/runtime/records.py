@@ -83,6 +83,15 @@ class Holder:
         self.queue, self.entry, self.tensor, self.meta, self.version, self.alive = \
             queue, entry, tensor, meta, version, alive
 
+    def changed(self) -> int | None:
+        """The saved tensor's version if it was changed in place since its save (then backward gets
+        autograd's error): seen on the tensor while it lives, or when its copy-out ended
+        (`Entry.copied_out`)."""
+        if self.entry.changed is not None:
+            return self.entry.changed
+        alive = self.alive() if self.alive is not None else None
+        return alive._version if alive is not None and alive._version != self.version else None
+
     def __del__(self):
         try:
             self.queue.append(self.entry)

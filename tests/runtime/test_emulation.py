@@ -271,3 +271,20 @@ def test_backward_on_another_thread_waits_on_its_own_current_stream():
         assert_exact(run(model, step_with_backward_elsewhere, batch, ex), reference)
     assert len(threads) == 2 and device.accelerator.sanitizer.violations == []
     assert device.stats().copies_h2d > 0
+
+
+@pytest.mark.slow  # the runtime's tests, ZeRO's and the pipeline stages' again, on the emulated device
+def test_the_runtime_suite_passes_on_the_emulated_device():
+    """Every test of tests/runtime (slow ones included), the ZeRO 0-3 plans and the pipeline stages'
+    jobs with SLACKSWAP_ASYNC_EMULATION=1 (their ranks inherit it): the same code on the asynchronous
+    path. (Under the variable, this test itself is skipped.)"""
+    from jobs import ROOT
+
+    if emulation_requested():
+        pytest.skip("already on the emulated device")
+    targets = ["tests/runtime", "tests/test_zero_plans.py", "tests/test_stages.py::test_training_is_exact",
+               "tests/test_stages.py::test_each_stage_stays_within_its_budget_with_its_micro_batches_in_flight"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "slow or not slow",
+                           *targets], cwd=ROOT, env=dict(os.environ, SLACKSWAP_ASYNC_EMULATION="1"),
+                          capture_output=True, text=True, timeout=5400)
+    assert proc.returncode == 0, proc.stdout[-4000:]
