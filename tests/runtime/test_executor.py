@@ -141,7 +141,7 @@ def test_no_host_allocation_after_warm_up():
     model = tiny("gpt2")
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     prof = profile(model, step, ids)
-    pool = HostPool(None, Device.cpu())
+    pool = HostPool(None, Device.current())  # the device ss.apply copies on (emulated or not)
     ex = ss.apply(model, swap_everything(prof), prof, pool=pool)
     with ex:
         for _ in range(2):
