@@ -216,6 +216,7 @@ class LayerCalls:
         with no_dispatch():
             if entry.in_handle is not None:  # compute waits on the copy's event (no host sync)
                 entry.in_handle.wait_on_current()
+                entry.in_handle.check_read()
             return rebuild(entry.storage, meta)
 
     def captured(self, entry: Entry, tensor: torch.Tensor) -> None:

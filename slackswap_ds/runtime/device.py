@@ -146,11 +146,15 @@ class CopyHandle:
 
     def wait_on_current(self) -> torch.Tensor:
         """Make the current stream wait for the copy (no host synchronization); return the destination.
-
         Use it before the compute stream reads a prefetched tensor (rule 7)."""
         if self._event is not None:
             self._device._acc.current_stream().wait_event(self._event)
         return self.tensor
+
+    def check_read(self) -> None:
+        """Where the device checks the Stream protocol (the emulated one): rule 7 held before a read."""
+        if self._event is not None and hasattr(self._device._acc, "check_read"):
+            self._device._acc.check_read(self._event)
 
     def __repr__(self) -> str:
         state = "done" if self._complete else "in flight"
@@ -304,13 +308,11 @@ class Device:
         return self._acc
 
     @property
-    def d2h_stream(self):
-        """The side stream of copy_out (None without streams)."""
+    def d2h_stream(self):  # the side stream of copy_out (None without streams)
         return self._side("d2h") if self._has_streams else None
 
     @property
-    def h2d_stream(self):
-        """The side stream of copy_in (None without streams)."""
+    def h2d_stream(self):  # the side stream of copy_in (None without streams)
         return self._side("h2d") if self._has_streams else None
 
     def __repr__(self) -> str:
@@ -318,10 +320,8 @@ class Device:
 
     # -- pinned host memory ---------------------------------------------------------------------
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A page-locked version of a host tensor (the tensor itself if already pinned).
-
-        On DeepSpeed's CPU accelerator this returns `tensor` itself: nothing can be page-locked
-        without a device runtime, and the synchronous copies do not need it."""
+        """A page-locked version of a host tensor (the tensor itself if already pinned, and on DeepSpeed's
+        CPU accelerator: nothing can be page-locked without a device runtime, nor need be)."""
         if self.is_pinned(tensor):
             return tensor
         return self._acc.pin_memory(tensor)

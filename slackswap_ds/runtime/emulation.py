@@ -373,6 +373,10 @@ class EmulatedAccelerator:
             side.synchronize()
         self.sanitizer.raise_pending()
 
+    def check_read(self, event: EmulatedEvent) -> None:
+        """The compute stream is about to read what the copy of `event` wrote (rule 7)."""
+        self.sanitizer.read(event.clock)
+
     def issue_copy(self, dst: torch.Tensor, src: torch.Tensor, stream: EmulatedStream, direction: str) -> None:
         """`Device._copy`'s asynchronous copy on a side stream (the CUDA path's non_blocking copy_)."""
         stream.copy(dst, src, direction)

@@ -12,11 +12,10 @@ race:
 * rule 3: a D2H source let go before its copy landed (reported by the worker that found it gone);
 * rule 4: host bytes an unfinished D2H copy writes, written by another copy not ordered after it;
 * rule 6: host bytes an unfinished D2H copy writes, read by an H2D copy not ordered after it;
+* rule 7: compute about to read a prefetched tensor (`CopyHandle.check_read`, called where the
+  executor hands it to backward) without having waited for its copy; a read the executor does not
+  announce is still caught by poison (the destination holds it until the copy lands);
 * rule 8: host bytes an unfinished H2D copy reads, overwritten by a D2H copy not ordered after it.
-
-Rule 7 (compute reads a prefetch only after waiting for its event) has no call to check: the
-destination holds poison until the copy lands, so a read before the wait computes with poison and
-the exactness tests fail (tests/runtime/test_emulation.py shows it).
 
 "Ordered after" is what a GPU guarantees: the same stream (in order), a `wait_event` / `wait_stream`
 on an event recorded after the copy, or the host having seen the copy complete before it issued
@@ -47,6 +46,8 @@ RULES = {
        "first: its destination's block may still be in use by queued compute work",
     6: "an H2D copy reads host bytes whose D2H copy is not ordered before it (the H2D stream must "
        "wait on the copy-out's event: copy_in(..., after=handle))",
+    7: "compute read a prefetched tensor before waiting for its copy's event (handle.wait_on_current()): "
+       "it can read the bytes before they land",
     8: "host bytes an unfinished H2D copy still reads were overwritten by a D2H copy before the H2D "
        "copy's event completed (HostPool.release(buf, after=handle) defers it)",
 }
@@ -141,6 +142,14 @@ class Sanitizer:
                     self._violate(rule, f"{direction} copy #{seq} of side stream {stream} overlaps the host "
                                         f"bytes of copy #{a.seq} of side stream {a.stream}")
             self.in_flight.append(HostAccess(stream, seq, host_lo, hi, writes))
+
+    def read(self, clock: Clock) -> None:
+        """Compute (the host) reads what the copies up to `clock` wrote: it must have waited for them."""
+        self.raise_pending()
+        with self._lock:
+            late = [(s, q) for s, q in clock.items() if s != COMPUTE and not self.host.covers(s, q)]
+            if late:
+                self._violate(7, f"copy #{late[0][1]} of side stream {late[0][0]} had not been waited for")
 
     def source_lost(self, stream: int, seq: int) -> None:
         """Called by a worker: the source of its copy `seq` was gone when the copy ran (rule 3)."""

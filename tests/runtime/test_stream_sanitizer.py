@@ -13,7 +13,8 @@ Rule by rule, what removing it does here:
    already puts a second copy into the same buffer after the first (not needed, so not tested).
  5 (H2D waits for compute)   - the sanitizer names rule 5 at the first prefetch.
  6 (H2D waits for its copy-out) - the sanitizer names rule 6, and the copy back reads poison.
- 7 (compute waits before reading a prefetch) - backward reads poison: NaN or wrong gradients.
+ 7 (compute waits before reading a prefetch) - the sanitizer names rule 7 where the executor hands
+   the tensor to backward; with that check gone too, backward reads poison: NaN or wrong gradients.
  8 (the pinned source of an H2D is not recycled before its event) - the sanitizer names rule 8 when
    the pool hands that buffer to a copy-out.
 """
@@ -165,6 +166,9 @@ def test_rule_6_through_the_executor(llama, monkeypatch):
 
 def test_rule_7_backward_reading_a_prefetch_before_its_copy_lands(llama, monkeypatch):
     monkeypatch.setattr(CopyHandle, "wait_on_current", lambda self: self.tensor)
+    assert_rule(7, llama, swap_all(llama[2]), emulated("5ms"))
+    # a read nobody announces (the check gone as well) computes with the poison the copy has not replaced
+    monkeypatch.setattr(CopyHandle, "check_read", lambda self: None)
     assert_goes_wrong(llama, swap_all(llama[2]), emulated("5ms"))
 
 
