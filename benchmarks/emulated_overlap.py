@@ -27,13 +27,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "runtime"))  # zoo.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "launch"))  # train.py
 
 import torch  # noqa: E402
 
@@ -45,18 +47,21 @@ from slackswap_ds.runtime.emulation import Delays, EmulatedAccelerator  # noqa: 
 from slackswap_ds.runtime.host_pool import HostPool  # noqa: E402
 from slackswap_ds.simulator import simulate  # noqa: E402
 
-from benchmarks._common import out_dir, write_json  # noqa: E402
+from benchmarks._common import REPO_ROOT, out_dir, write_json  # noqa: E402
+
+CONFIG = REPO_ROOT / "configs" / "slackswap.json"
 
 
 def readme_model():
-    """The README job's model and one rank's batch (launch/train.py's defaults, configs/slackswap.json)."""
-    import transformers
+    """The README job's model (launch/train.py's build_model with its defaults) and one rank's batch
+    (the micro-batch of configs/slackswap.json)."""
+    import train  # launch/train.py
 
-    torch.manual_seed(1234)
-    cfg = transformers.GPT2Config(n_layer=4, n_embd=128, n_head=4, n_positions=64, vocab_size=512,
-                                  bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(cfg).train()
-    ids = torch.randint(1, 512, (2, 64), generator=torch.Generator().manual_seed(1234))
+    args = train.parse_args(["--deepspeed_config", str(CONFIG)])
+    torch.manual_seed(args.seed)
+    model = train.build_model(args).train()
+    micro = json.loads(CONFIG.read_text())["train_micro_batch_size_per_gpu"]
+    ids = torch.randint(1, args.vocab, (micro, args.seq), generator=torch.Generator().manual_seed(args.seed))
     return model, {"input_ids": ids, "labels": ids, "use_cache": False}
 
 

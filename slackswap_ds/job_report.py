@@ -104,8 +104,9 @@ class StepReports:
              shapes: str = "", keep_all: int | None = None, moved: tuple[int, int] = (0, 0),
              events: Iterable = (), budget_waits: int = 0) -> None:
         """A planned step ended (`moved`: its swapped and recomputed bytes; `events`: its lifecycle
-        transitions; `budget_waits`: copy-outs the host waited for to stay within the budget). Each step's peak is held against its own plan's budget: the report names the
-        step closest to (or furthest over) its budget, with that plan's prediction and budget."""
+        transitions; `budget_waits`: copy-outs the host waited for to stay within the budget). Each
+        step's peak is held against its own plan's budget: the report names the step closest to (or
+        furthest over) its budget, with that plan's prediction and budget."""
         seconds = self._tick()
         self.summary.step("planned", seconds, peak_bytes, fallbacks, plan, shapes, keep_all, moved, budget_waits)
         if seconds is not None:

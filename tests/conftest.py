@@ -82,7 +82,9 @@ def emulated_copies_settle():
     broken Stream-protocol rule still pending (found by a copy's worker thread) fails the test that
     caused it, not a later one."""
     yield
-    if os.environ.get("SLACKSWAP_ASYNC_EMULATION", "").strip().lower() in ("1", "true", "on", "yes"):
+    from slackswap_ds.runtime.emulation import emulation_requested
+
+    if emulation_requested():
         from slackswap_ds.runtime.device import Device
 
         if Device._current is not None and Device._current.has_streams:

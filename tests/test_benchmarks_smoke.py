@@ -306,8 +306,9 @@ def test_emulated_overlap_quick(tmp_path, capsys):
     data = json.loads((tmp_path / "overlap.json").read_text())
     (row,) = data["rows"]
     assert row["case"] == "zoo llama: slackswap @0.5" and row["swapped_bytes"] > 0
-    for key in ("predicted_stall_s", "predicted_delta_s", "measured_blocked_s", "measured_delta_s", "budget_waits"):
-        assert row[key] >= 0 or key.endswith("delta_s"), (key, row[key])
+    for key in ("predicted_stall_s", "predicted_scaled_stall_s", "measured_blocked_s", "budget_waits"):
+        assert row[key] >= 0, (key, row[key])
+    for key in ("predicted_delta_s", "measured_delta_s"):  # (a measured difference may be below zero: noise)
+        assert isinstance(row[key], float) and abs(row[key]) < 60, (key, row[key])
     assert row["peak_bytes"] <= row["budget_bytes"]
     assert "measured blocked" in capsys.readouterr().out
-

@@ -110,8 +110,7 @@ class CopyHandle:
     """One issued copy. `tensor` is the destination; see "Stream protocol" for the rules.
 
     `done()` polls (never blocks), `wait()` blocks the host until the copy is complete,
-    `wait_on_current()` makes the current stream wait on the device. Each returns/keeps `tensor`.
-    """
+    `wait_on_current()` makes the current stream wait on the device. Each returns/keeps `tensor`."""
 
     __slots__ = ("direction", "nbytes", "tensor", "host_waited", "_device", "_event", "_complete")
 
@@ -456,9 +455,9 @@ class Device:
             self._counts[f"bytes_{direction}"] += nbytes
 
     def _hold(self, direction: str, event: Any, src: torch.Tensor) -> None:
+        self._let_go(direction)
         with self._lock:  # `src` lives until its copy's event completes (Stream protocol, rule 3)
             self._in_flight[direction].append((event, src))
-        self._let_go(direction)
 
     def _let_go(self, direction: str) -> None:
         """Drop the sources of `direction`'s oldest copies that have ended (a stream ends them in order)."""
@@ -466,6 +465,7 @@ class Device:
             q = self._in_flight[direction]
             while q and q[0][0].query():
                 q.popleft()
+
     def _count_host_wait(self) -> None:
         with self._lock:
             self._counts["host_waits"] += 1

@@ -149,7 +149,8 @@ def poison(t: torch.Tensor) -> None:
     """Fill `t` with poison: 0xFF bytes (NaN for floats), or per element where it is not contiguous."""
     with torch.no_grad():
         if t.is_contiguous():
-            t.view(torch.uint8).fill_(POISON) if t.numel() else None
+            if t.numel():
+                t.view(torch.uint8).fill_(POISON)
         elif t.dtype.is_floating_point or t.dtype.is_complex:
             t.fill_(float("nan"))
         else:
@@ -256,10 +257,8 @@ class EmulatedStream:
         self.acc.sanitizer.copy(self.sid, seq, direction, *_host_range(dst if direction == "d2h" else src))
         poison(dst)
         source = weakref.ref(src)
-        nbytes = src.numel() * src.element_size()
-        delay = self.acc.delays.of(nbytes, self._rng)
+        delay = self.acc.delays.of(src.numel() * src.element_size(), self._rng)
         sanitizer = self.acc.sanitizer
-
         issued = time.perf_counter()
 
         def land() -> None:
@@ -277,7 +276,6 @@ class EmulatedStream:
                 return
             with torch.no_grad():
                 dst.copy_(alive)
-            del alive
 
         self._enqueue(land)
 

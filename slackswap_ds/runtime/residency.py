@@ -66,9 +66,10 @@ class Residency:
 
     def _make_room(self, entry: Entry) -> None:
         program = entry.step.program
-        budget = program.plan.budget_bytes if program is not None else None
+        if program is None:  # no plan (a profiled or sheltered step): its swaps are blocking anyway
+            return
         q = self._in_flight
-        while q and budget is not None and self.bytes + entry.nbytes > budget:
+        while q and self.bytes + entry.nbytes > program.plan.budget_bytes:
             oldest = q.popleft()
             oldest.out_handle.wait()
             oldest.copied_out()

@@ -1,6 +1,7 @@
 """What the runtime tests share: one step from a fixed RNG state, bit-exact comparison, profiles
 whose op times come from a fake clock (so the plans a test gets never depend on how fast this
-machine ran an op), seeded random plans, soak sampling (live tensors, RSS), and real training loops."""
+machine ran an op), seeded random plans (and swap-all ones), the emulated asynchronous device, soak
+sampling (live tensors, RSS), and real training loops."""
 
 from __future__ import annotations
 
@@ -59,6 +60,28 @@ def assert_peak_as_predicted(peak: int, prof: StepProfile, plan: Plan, exact: bo
         assert peak == predicted
     else:
         assert peak <= predicted, (peak, predicted)
+
+
+def swap_all(profile: StepProfile, budget_bytes: int = 0) -> Plan:
+    """Every saved tensor swapped (each prefetched from the end of forward), within `budget_bytes`."""
+    return Plan.build(profile, {a.key: Decision.SWAP for a in profile.activations}, budget_bytes=budget_bytes,
+                      hardware_digest="any", planner="test")
+
+
+def emulated(delays: str | None = None):
+    """A Device on a fresh emulated asynchronous accelerator whose copies take `delays`
+    (SLACKSWAP_EMULATION_DELAY's forms; None: its default)."""
+    from slackswap_ds.runtime.device import Device
+    from slackswap_ds.runtime.emulation import Delays, EmulatedAccelerator
+
+    return Device(EmulatedAccelerator(Delays.parse(delays)))
+
+
+def apply_on(device, model: nn.Module, plan: Plan, prof: StepProfile, **kw):
+    """ss.apply on `device`, with a host pool of that device."""
+    from slackswap_ds.runtime.host_pool import HostPool
+
+    return ss.apply(model, plan, prof, device=device, pool=HostPool(None, device), **kw)
 
 
 def fake_clock(step: float = 1e-6) -> Callable[[], float]:

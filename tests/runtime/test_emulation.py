@@ -14,24 +14,19 @@ import pytest
 import torch
 
 import slackswap_ds as ss
-from slackswap_ds.plan import Decision, Plan
+from slackswap_ds.plan import Decision
 from slackswap_ds.runtime import emulation
-from slackswap_ds.runtime.device import Device
-from slackswap_ds.runtime.emulation import Delays, EmulatedAccelerator, EmulationError, emulation_requested
+from slackswap_ds.runtime.emulation import Delays, EmulationError, emulation_requested
 from slackswap_ds.runtime.host_pool import HostPool
 
-from exactness import LOOPS, assert_exact, profile, random_plan, run, without_caches
+from exactness import LOOPS, apply_on, assert_exact, emulated, profile, random_plan, run, swap_all, without_caches
 
 POISON_F32 = torch.tensor([0xFF] * 4, dtype=torch.uint8).view(torch.float32)
 
 
-def emulated(delays: str | None = None) -> Device:
-    return Device(EmulatedAccelerator(Delays.parse(delays)))
-
-
 def emulated_apply(model, plan, prof, delays=None, **kw):
     device = emulated(delays)
-    return ss.apply(model, plan, prof, device=device, pool=HostPool(None, device), **kw), device
+    return apply_on(device, model, plan, prof, **kw), device
 
 
 # -- the switch and the delays ------------------------------------------------------------------
@@ -44,6 +39,14 @@ def test_the_switch_takes_its_documented_values(monkeypatch, value, on):
     else:
         monkeypatch.setenv(emulation.ENV, value)
     assert emulation_requested() is on
+
+
+def test_the_switch_has_the_start_up_hooks_vocabulary():
+    """One vocabulary for SlackSwap's on/off variables (autoroute.py may import nothing of the package
+    at start-up, so it keeps its own copy)."""
+    from slackswap_ds import autoroute
+
+    assert (emulation.ON, emulation.OFF) == (autoroute.ON, autoroute.OFF)
 
 
 @pytest.mark.parametrize("value", ["", "2", "enable", "emulate", "0x1"])
@@ -155,11 +158,6 @@ ARCHITECTURES = ["llama", "gpt2-eager", "t5", "mixtral", "bert"]
 @pytest.fixture(autouse=True, scope="module")
 def quiet_transformers():
     transformers.logging.set_verbosity_error()
-
-
-def swap_all(prof):
-    return Plan.build(prof, {a.key: Decision.SWAP for a in prof.activations}, budget_bytes=0,
-                      hardware_digest="any", planner="test")
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)

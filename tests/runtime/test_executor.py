@@ -16,13 +16,12 @@ from slackswap_ds.hardware import Hardware
 from slackswap_ds.plan import Decision, Kind, Plan, lower
 from slackswap_ds.planners.common import keep_all
 from slackswap_ds.runtime.device import Device
-from slackswap_ds.runtime.emulation import Delays, EmulatedAccelerator
 from slackswap_ds.runtime.executor import Executor
 from slackswap_ds.runtime.host_pool import HostPool
 from slackswap_ds.runtime.program import Program
 from slackswap_ds.simulator import simulate
 
-from exactness import assert_exact, assert_peak_as_predicted, profile, random_plan, run
+from exactness import apply_on, assert_exact, assert_peak_as_predicted, emulated, profile, random_plan, run, swap_all
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,17 +131,12 @@ def test_the_executor_reads_the_lowered_schedule(setup):
         ss.apply(tiny("gpt2"), random_plan(prof, 4), prof, schedule=schedule)
 
 
-def swap_everything(prof):
-    return Plan.build(prof, {a.key: Decision.SWAP for a in prof.activations}, budget_bytes=0,
-                      hardware_digest="any", planner="test")
-
-
 def test_no_host_allocation_after_warm_up():
     model = tiny("gpt2")
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     prof = profile(model, step, ids)
     pool = HostPool(None, Device.current())  # the device ss.apply copies on (emulated or not)
-    ex = ss.apply(model, swap_everything(prof), prof, pool=pool)
+    ex = ss.apply(model, swap_all(prof), prof, pool=pool)
     with ex:
         for _ in range(2):
             step(model, ids)
@@ -159,7 +153,7 @@ def test_exhausted_host_pool_keeps_tensors_counts_and_warns_once(caplog):
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     prof = profile(model, step, ids)
     reference = run(model, step, ids)
-    ex = ss.apply(model, swap_everything(prof), prof, pool=HostPool(0, Device.cpu()))
+    ex = ss.apply(model, swap_all(prof), prof, pool=HostPool(0, Device.cpu()))
     with caplog.at_level(logging.WARNING, logger="slackswap_ds"):
         assert_exact(run(model, step, ids, ex), reference)
         run(model, step, ids, ex)
@@ -257,10 +251,9 @@ def test_in_place_change_of_a_saved_tensor_never_gives_a_wrong_gradient():
         assert_exact(run(model, sneaky_step, x, ss.apply(model, plans[Decision.SWAP], prof)),
                      run(model, honest_step, x))
     # an asynchronous copy (a GPU's; the emulated device) may read before or after the change: autograd's error
-    device = Device(EmulatedAccelerator(Delays.parse("20ms")))
     changed = "modified by an inplace operation: saved tensor 'after.layers.0:0:sigmoid' is at version 1"
     with pytest.raises(RuntimeError, match=changed):
-        with ss.apply(model, plans[Decision.SWAP], prof, device=device, pool=HostPool(None, device)):
+        with apply_on(emulated("20ms"), model, plans[Decision.SWAP], prof):
             sneaky_step(model, x)
 
 

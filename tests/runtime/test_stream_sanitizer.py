@@ -8,9 +8,10 @@ Rule by rule, what removing it does here:
  3 (keep the source alive)   - the worker finds the source gone: rule 3 at the host's next call.
  4 (the host reads a D2H buffer only after its event) - the verifier reads poison instead of
    forward's bytes and its check fails (exact recomputes demoted), or the copy back of those bytes
-   is not ordered after their copy-out and the sanitizer names rule 6. The rule's other half (a buffer not handed to another copy
-   before the event) cannot be broken by the runtime: copy-outs share one D2H stream, whose order
-   already puts a second copy into the same buffer after the first (not needed, so not tested).
+   is not ordered after their copy-out and the sanitizer names rule 6. The rule's other half (a
+   buffer not handed to another copy before the event) cannot be broken by the runtime: copy-outs
+   share one D2H stream, whose order already puts a second copy into the same buffer after the
+   first (not needed, so not tested).
  5 (H2D waits for compute)   - the sanitizer names rule 5 at the first prefetch.
  6 (H2D waits for its copy-out) - the sanitizer names rule 6, and the copy back reads poison.
  7 (compute waits before reading a prefetch) - the sanitizer names rule 7 where the executor hands
@@ -22,14 +23,12 @@ Rule by rule, what removing it does here:
 import pytest
 import torch
 
-import slackswap_ds as ss
 from slackswap_ds.plan import Decision, Plan
 from slackswap_ds.runtime.device import CopyHandle, Device
-from slackswap_ds.runtime.emulation import Delays, EmulatedAccelerator
 from slackswap_ds.runtime.host_pool import HostPool
 from slackswap_ds.runtime.stream_sanitizer import RULES, StreamProtocolError
 
-from exactness import assert_exact, profile, random_plan, run, without_caches
+from exactness import apply_on, assert_exact, emulated, profile, random_plan, run, swap_all, without_caches
 
 transformers = pytest.importorskip("transformers")
 import zoo  # noqa: E402  (needs transformers)
@@ -43,18 +42,14 @@ def llama():
     return model, batch, profile(model, zoo.step, batch), run(model, zoo.step, batch)
 
 
-def emulated(delays="2ms") -> Device:
-    return Device(EmulatedAccelerator(Delays.parse(delays)))
-
-
-def swap_all(prof):
-    return Plan.build(prof, {a.key: Decision.SWAP for a in prof.activations}, budget_bytes=prof.total_bytes,
-                      hardware_digest="any", planner="test")
+def swapped(prof):
+    """Every saved tensor swapped, on a budget no copy-out has to be waited for (residency.py)."""
+    return swap_all(prof, prof.total_bytes)
 
 
 def step_under(llama, plan, device):
     model, batch, prof, _ = llama
-    ex = ss.apply(model, plan, prof, device=device, pool=HostPool(None, device))
+    ex = apply_on(device, model, plan, prof)
     return ex, run(model, zoo.step, batch, ex)
 
 
@@ -76,27 +71,27 @@ def assert_goes_wrong(llama, plan, device):
 
 
 def test_unmutated_the_same_runs_are_exact_and_silent(llama):
-    for plan in (swap_all(llama[2]), random_plan(llama[2], 4)):
-        device = emulated()
+    for plan in (swapped(llama[2]), random_plan(llama[2], 4)):
+        device = emulated("2ms")
         ex, result = step_under(llama, plan, device)
         assert_exact(result, llama[3])
         assert device.accelerator.sanitizer.violations == []
 
 
 def test_rule_1_a_copy_out_that_does_not_wait_for_compute(llama):
-    device = emulated()
+    device = emulated("2ms")
     device.d2h_stream.wait_stream = lambda other: None
-    assert_rule(1, llama, swap_all(llama[2]), device)
+    assert_rule(1, llama, swapped(llama[2]), device)
 
 
 def test_rule_2_a_copy_into_pageable_memory(llama, monkeypatch):
     monkeypatch.setattr(Device, "empty_pinned", lambda self, n: torch.empty(n, dtype=torch.uint8))
-    assert_rule(2, llama, swap_all(llama[2]), emulated())
+    assert_rule(2, llama, swapped(llama[2]), emulated("2ms"))
 
 
 def test_rule_3_a_source_let_go_before_its_copy_lands(llama, monkeypatch):
     monkeypatch.setattr(Device, "_hold", lambda self, direction, event, src: None)
-    assert_rule(3, llama, swap_all(llama[2]), emulated())
+    assert_rule(3, llama, swapped(llama[2]), emulated("2ms"))
 
 
 def test_rule_4_the_host_reading_a_copy_out_before_its_event(llama, monkeypatch):
@@ -131,9 +126,9 @@ def test_rule_4_the_host_reading_a_copy_out_before_its_event(llama, monkeypatch)
 
 
 def test_rule_5_a_prefetch_that_does_not_wait_for_compute(llama):
-    device = emulated()
+    device = emulated("2ms")
     device.h2d_stream.wait_stream = lambda other: None
-    assert_rule(5, llama, swap_all(llama[2]), device)
+    assert_rule(5, llama, swapped(llama[2]), device)
 
 
 def test_rule_6_a_copy_back_not_ordered_after_its_copy_out():
@@ -157,7 +152,7 @@ def test_rule_6_through_the_executor(llama, monkeypatch):
     device = emulated("20ms")
     with pytest.raises(StreamProtocolError, match="rule 6 broken"):
         model, batch, prof, _ = llama
-        ex = ss.apply(model, swap_all(prof), prof, device=device, pool=HostPool(None, device))
+        ex = apply_on(device, model, swapped(prof), prof)
         with ex:                                     # a forward, then backward at once: copy-outs still in flight
             model.zero_grad(set_to_none=True)
             torch.manual_seed(1)
@@ -166,10 +161,10 @@ def test_rule_6_through_the_executor(llama, monkeypatch):
 
 def test_rule_7_backward_reading_a_prefetch_before_its_copy_lands(llama, monkeypatch):
     monkeypatch.setattr(CopyHandle, "wait_on_current", lambda self: self.tensor)
-    assert_rule(7, llama, swap_all(llama[2]), emulated("5ms"))
+    assert_rule(7, llama, swapped(llama[2]), emulated("5ms"))
     # a read nobody announces (the check gone as well) computes with the poison the copy has not replaced
     monkeypatch.setattr(CopyHandle, "check_read", lambda self: None)
-    assert_goes_wrong(llama, swap_all(llama[2]), emulated("5ms"))
+    assert_goes_wrong(llama, swapped(llama[2]), emulated("5ms"))
 
 
 def test_rule_8_a_copy_backs_source_recycled_before_its_event(monkeypatch):
