@@ -7,6 +7,15 @@ saved). When the call returns (`hold_arguments`), the arguments the step saved a
 through their entries instead (`HeldArgument`, pinning them until the replay), so that a swapped
 layer input does not stay on the device; a call that made no RECOMPUTE tensor drops its record.
 
+A call is replayed whole, without a dispatch mode (replay.run_whole_replay, as torch's checkpoint
+runs a block again), when it is a compiled layer's, or when the Program re-runs every op of its
+region up to the last one its replay needs (`Program.whole`: a full recompute) and a recording of
+that layer showed that a whole run is exact (`CallRecord.replayable_whole`: it draws only from the
+default generators and writes only into tensors it makes; `proven`, from the first replay of each
+layer on). Such a call is not recorded op by op: its saves are counted (`_count`), so that each is
+known by the order it was packed in, and its random states are kept. The first step of a plan thus
+records and replays op by op, and checks; later steps pay no dispatch mode for full recomputes.
+
 Backward. `replay` re-runs a call once, the first time backward needs one of its tensors (the
 Schedule's RECOMPUTE at the region's first backward op) or another replay needs one as an input.
 `LayerCalls` is the replay's `ReplaySource`: `materialize` gives it a saved entry on the device
@@ -22,7 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-from typing import ContextManager
+from typing import Callable, ContextManager
 
 import torch
 from torch import nn
@@ -32,9 +41,9 @@ from ..plan import Decision
 from .aten import meta_of, no_dispatch, rebuild
 from .flat import flatten_call, unflatten_call
 from .records import CallRecord, Detached, Entry, HeldArgument, Step, Writer
-from .compiled import is_compiled
-from .replay import (Recorder, ReplayError, autocast_state, host_rng_states, rng_states, run_compiled_replay,
-                     run_replay)
+from .compiled import dynamo_never_compiles, is_compiled
+from .replay import (Recorder, ReplayError, autocast_state, host_rng_states, rng_states, run_replay,
+                     run_whole_replay)
 from .residency import Residency
 from .stream_sanitizer import StreamProtocolError
 from .swaps import Swaps
@@ -47,20 +56,24 @@ class LayerCalls:
     """The recorded layer calls of an executor's steps (see the module docstring)."""
 
     def __init__(self, residency: Residency, swaps: Swaps, verifier: Verifier, released: collections.deque[Entry],
-                 takeover: bool):
+                 takeover: bool, saved: tuple[Callable, Callable]):
         self.residency, self.swaps, self.verifier = residency, swaps, verifier
         self.released = released  # the executor's queue of holders gone: a replay's pins end there
         self.takeover = takeover  # checkpoint calls run inline in replays too (takeover.py)
-        self._recorders: dict[str, Recorder] = {}  # open recorded calls by label
+        self._saved = saved  # the executor's (pack, unpack): a call replayed whole counts its saves on the way
+        dynamo_never_compiles(self._count)  # (called from compiled blocks' eager parts)
+        self._recorders: dict[str, ContextManager] = {}  # open recorded calls by label: Recorder or counting hooks
         self._replaying: list[Step] = []  # steps of the replays running now (one replay may need another)
-        self.compiled_call: CallRecord | None = None  # the recorded compiled layer call running now (compiled.py)
+        self.whole_call: CallRecord | None = None  # the recorded call running now that will be replayed whole
+        self.proven: set[str] = set()  # layer calls (labels) a recording showed replayable whole
 
     # ---- forward ------------------------------------------------------------------------------
     def record(self, step: Step, label: str, module: nn.Module, args: tuple, kwargs: dict,
                device_type: str) -> ContextManager:
         """Layer call `label` starts: its record, and the Recorder the caller enters (outside its lock).
-        A compiled layer's call is recorded without one (no dispatch mode may see compiled code): its
-        random states and its arguments, to run it again whole (replay.run_compiled_replay)."""
+        A call to be replayed whole (a compiled layer's: no dispatch mode may see compiled code; or one
+        `proven`, see the module docstring) is recorded without one: its random states and its
+        arguments, and the hooks that count its saves."""
         call = CallRecord(label, module, autocast=autocast_state(device_type))
         flat, spec = flatten_call((args, kwargs))
         with no_dispatch():  # held without autograd history: no cycle through the graph
@@ -69,13 +82,24 @@ class LayerCalls:
         call.versions = [(a.tensor, a.tensor._version) for a in flat if isinstance(a, Detached)]
         call.host_rng = host_rng_states()
         step.calls[label] = call
-        if is_compiled(module):
+        if is_compiled(module) or (label in self.proven and label in step.program.whole):
             call.rng = rng_states(device_type)
             call.inputs = frozenset(a.tensor.untyped_storage()._cdata for a in flat if isinstance(a, Detached))
-            self.compiled_call = call
-            return contextlib.nullcontext()
-        rec = self._recorders[label] = Recorder(call, functools.partial(self._made, step), device_type)
+            self.whole_call = call
+            rec = torch.autograd.graph.saved_tensors_hooks(self._count, self._saved[1])
+        else:
+            rec = Recorder(call, functools.partial(self._made, step), device_type)
+        self._recorders[label] = rec
         return rec
+
+    def _count(self, t: torch.Tensor):
+        """The pack hook inside a call to be replayed whole: the executor's, knowing the save's number."""
+        call = self.whole_call
+        call.packing, call.packs = call.packs, call.packs + 1
+        try:
+            return self._saved[0](t)
+        finally:
+            call.packing = None
 
     def _made(self, step: Step, call: CallRecord, k: int, n: int, t: torch.Tensor) -> None:
         st = t.untyped_storage()
@@ -83,13 +107,14 @@ class LayerCalls:
 
     def stop_recording(self, label: str) -> None:
         """Layer call `label` has returned: its recorder stops."""
-        self.compiled_call = None
+        self.whole_call = None
         rec = self._recorders.pop(label, None)
         if rec is not None:
             rec.__exit__(None, None, None)
 
     def stop_all(self) -> None:
         """Stop every recorder (an exception left layer calls open)."""
+        self.whole_call = None
         for rec in list(self._recorders.values()):
             rec.__exit__(None, None, None)
         self._recorders.clear()
@@ -142,12 +167,17 @@ class LayerCalls:
         self._replaying.append(step)
         try:
             args, kwargs = self._arguments(call)
-            if call.rng is not None:  # a compiled layer's call: run again whole
-                run_compiled_replay(self, call, args, kwargs, self._replay_context)
-                self.ran(call, 0)
+            rerun = step.program.rerun.get(call.label, frozenset())
+            if call.rng is not None:  # run again whole
+                compiled = is_compiled(call.module)
+                run_whole_replay(self, call, args, kwargs, self._replay_context, stop_early=not compiled)
+                for k in (0,) if compiled else sorted(rerun):  # (a compiled call is one op; see Program.whole)
+                    self.ran(call, k)
+                step.stats.whole_replays += not compiled
             else:
-                run_replay(self, call, step.program.rerun.get(call.label, frozenset()), args, kwargs,
-                           self._replay_context)
+                run_replay(self, call, rerun, args, kwargs, self._replay_context)
+                if call.replayable_whole:
+                    self.proven.add(call.label)
         except StreamProtocolError:  # the runtime's own copies broke the protocol: never a layer's failure
             raise
         except Exception as e:  # noqa: BLE001 - any failure of the model's code in a replay

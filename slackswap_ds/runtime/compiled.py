@@ -11,8 +11,8 @@ today is plan at the boundary of compiled layers, torchtitan's pattern (`blocks[
 * its saved tensors (AOTAutograd's, packed by the ordinary saved-tensor hooks when the compiled
   forward saves them) are kept, swapped, or recomputed per tensor. Recomputing runs the call
   again, whole and compiled, in backward, from the default generators' states it started from
-  (replay.run_compiled_replay, as torch.utils.checkpoint does): the compiled forward saves the same
-  tensors in the same order, so its n-th save regenerates forward's n-th (`hooks` counts them);
+  (replay.run_whole_replay, as torch.utils.checkpoint does): the compiled forward saves the same
+  tensors in the same order, so its n-th save regenerates forward's n-th (calls.py counts them);
   a verifying step checks the bytes, as for any replay;
 * the eager rest of the model (embeddings, head, eager layers) is planned as before.
 
@@ -85,6 +85,19 @@ def compiled_layers(model: nn.Module, layers: list[tuple[str, nn.Module]]) -> fr
     return frozenset(compiled_parts(model))
 
 
+def _maybe_compiled(model: nn.Module) -> bool:
+    """False if no module of `model` is compiled (a compiled module's forward, or its compiled call,
+    is its own attribute: `OptimizedModule`, `torch.compile(module.forward)`, `module.compile()`);
+    True also where a forward was only replaced (hooks of other libraries): compiled_parts tells."""
+    stack = [model]
+    while stack:
+        attrs = stack.pop().__dict__
+        if "forward" in attrs or attrs.get("_compiled_call_impl") is not None:
+            return True
+        stack.extend(m for m in attrs["_modules"].values() if m is not None)
+    return False
+
+
 class CompiledLayers:
     """The compiled layers of a model's block stacks (`paths`, once the model is in SlackSwap's
     compile layout) and the hooks their calls run under; `saved`: the executor's saved-tensor hooks."""
@@ -92,14 +105,15 @@ class CompiledLayers:
     def __init__(self, model: nn.Module, layers: list[tuple[str, nn.Module]], saved: tuple[Callable, Callable]):
         self.paths = compiled_layers(model, layers)
         self._suspended = ModesSuspended()
-        self._saved = saved  # the executor's (pack, unpack): called from compiled blocks' eager parts too
-        dynamo_never_compiles(*saved)
+        dynamo_never_compiles(*saved)  # the executor's (pack, unpack): called from compiled blocks' eager parts too
         self.around = self._said_around = False  # the model called from compiled code it was not given
 
     def check_unchanged(self, model: nn.Module) -> None:
         """CompiledCodeError if `model`'s compiled parts are not those it had when this was made: a
         plan made before the model was compiled (or compiled otherwise) is for another program, and
         Dynamo would trace SlackSwap's hooks inside the new compiled code."""
+        if not self.paths and not _maybe_compiled(model):  # (every step: the walk of compiled_parts is slow)
+            return
         now = frozenset(compiled_parts(model))
         if now != self.paths:
             def named(paths):
@@ -121,32 +135,19 @@ class CompiledLayers:
             self._said_around = True
             _say_compiled_around(model)
 
-    def hooks(self, path: str, layer: nn.Module, tracer: Callable[[], Any], calls) -> list:
+    def hooks(self, path: str, layer: nn.Module, tracer: Callable[[], Any]) -> list:
         """The handles of `layer`'s hooks if it is compiled (else none): its call runs with dispatch
-        modes suspended, and is one opaque op to `tracer()` (None: no tracer watches the step); a call
-        recorded to be run again (`calls.compiled_call`, calls.py) has its saves counted, so that each
-        is known by the order it was packed in (the executor's pack and unpack do the rest).
+        modes suspended, and is one opaque op to `tracer()` (None: no tracer watches the step). (A call
+        recorded to be run again has its saves counted by the hooks its record entered: calls.py.)
         Registered between the executor's call and return hooks, so the region is the call's."""
         if path not in self.paths:
             return []
-        pack, unpack = self._saved
 
         def pre(module, args, kwargs):
             watching = tracer()
             if watching is not None:
                 watching.opaque_begin(args, kwargs)
-            call = calls.compiled_call  # (None in a replay: its own hooks count its saves)
-            if call is None or call.module is not module:
-                return self._suspended.enter()
-
-            def counted(t):
-                call.packing, call.packs = call.packs, call.packs + 1
-                try:
-                    return pack(t)
-                finally:
-                    call.packing = None
-            dynamo_never_compiles(counted)
-            self._suspended.enter(torch.autograd.graph.saved_tensors_hooks(counted, unpack))
+            self._suspended.enter()
 
         def post(module, args, output):
             self._suspended.leave()

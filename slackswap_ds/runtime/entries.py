@@ -39,6 +39,9 @@ from .verify import Verifier
 __all__ = ["Entries"]
 
 
+_KEEP = Decision.KEEP  # (asked at every save: a module global is quicker to reach than an enum member)
+
+
 def _fallback(step: Step, why: str) -> Decision:
     step.stats.fallback(f"{why}: kept")
     return Decision.KEEP
@@ -77,17 +80,21 @@ class Entries:
             step.ordinals[label] = n + 1
             key = activation_key(label, n, maker_of(t))
         nbytes = st.nbytes()
-        planned = step.program.acts.get(key) if step.program is not None else None
-        if step.program is not None and step.program.guarded:  # a derived plan: its sizes are checked
+        program = step.program
+        planned = program.acts.get(key) if program is not None else None
+        if program is not None and program.guarded:  # a derived plan: its sizes are checked
             step.stats.sizes.setdefault(key, (tuple(t.shape), nbytes))
         writer = step.writers.get(st._cdata)
         if writer is not None and writer.call.label != label:
             writer = None  # made in another layer call: no replay of this one makes it
-        compiled = self.calls.compiled_call
-        if writer is None and compiled is not None and compiled.label == label and compiled.packing is not None \
-                and st._cdata not in compiled.inputs:  # saved n-th by a compiled call: its run again saves it n-th
-            writer = Writer(compiled, 0, compiled.packing, StorageWeakRef(st))
-        decision = self._decision(step, planned, nbytes, writer)
+        whole = self.calls.whole_call
+        if writer is None and whole is not None and whole.label == label and whole.packing is not None \
+                and st._cdata not in whole.inputs:  # saved n-th by a call replayed whole: its run again saves it n-th
+            writer = Writer(whole, 0, whole.packing, None)
+        if planned is not None and planned.decision is _KEEP and planned.nbytes == nbytes and step.cap is None:
+            decision = _KEEP  # (the common case, in short: every check of _decision passes)
+        else:
+            decision = self._decision(step, planned, nbytes, writer)
         # A SWAP or RECOMPUTE entry outlives its device storage: the weak reference keeps the
         # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
         ref = StorageWeakRef(st) if decision is not Decision.KEEP else None
@@ -126,7 +133,7 @@ class Entries:
             return _to_host(step, "over the budget if kept")
         if planned.decision is Decision.RECOMPUTE and writer is None:
             return _to_host(step, "recompute of a tensor its layer call did not make")
-        if planned.decision is Decision.RECOMPUTE and writer.op != planned.writer:
+        if planned.decision is Decision.RECOMPUTE and writer.call.rng is None and writer.op != planned.writer:
             # same name, same size, made by another op of the call: the layer took another code path
             # than when profiled (data-dependent control flow; e.g. an attention mask of all ones that
             # a model drops), and the plan's replay would stop before the op that makes it now
@@ -219,21 +226,22 @@ class Entries:
 
     def _release(self, entry: Entry) -> None:
         self.residency.drop_resident(entry)
-        if entry.ref is None and entry.storage is not None:
+        step = entry.step
+        if entry.ref is None and entry.storage is not None and not step.backward:
             # a kept storage that outlives its entry (the model still holds it) may be saved again
-            # in this step: the weak reference keeps its address for it (see `new`)
+            # in this step's forward: the weak reference keeps its address for it (see `new`)
             ref = StorageWeakRef(entry.storage.untyped_storage())
             entry.storage = None
             entry.ref = None if ref.expired() else ref
         entry.storage = None
-        with no_dispatch():
-            self.swaps.release(entry)
-            self.verifier.release(entry)
+        if entry.buffer is not None or entry.original is not None:
+            with no_dispatch():
+                self.swaps.release(entry)
+                self.verifier.release(entry)
         entry.in_handle = None
         call, entry.call = entry.call, None
         if call is not None:
             self.calls.target_released(call, entry)
-        step = entry.step
         step.live -= 1
         if step.live == 0 and step.closed:
             step.clear()

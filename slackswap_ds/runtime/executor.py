@@ -112,8 +112,20 @@ def _is_parameter(t: torch.Tensor) -> bool:
     return base.is_leaf and base.requires_grad and (isinstance(base, nn.Parameter) or hasattr(base, "ds_id"))
 
 
+def _parameter_storages(model: nn.Module) -> dict[int, StorageWeakRef]:
+    """A fast pre-check: parameters and buffers are never activations (_is_parameter is the full test,
+    for parameters replaced later and ZeRO-3's gathered ones). The weak references keep a storage that
+    ZeRO-3 replaces from handing its address to an activation."""
+    return {st._cdata: StorageWeakRef(st) for st in
+            (t.untyped_storage() for t in (*model.parameters(), *model.buffers()))}
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+_dispatch_modes = torch._C._len_torch_dispatch_stack  # dispatch modes active now (a profiler's tracer, a recording)
+_NO_MODES = contextlib.nullcontext()
 
 
 def _device_type(model: nn.Module) -> str:
@@ -164,7 +176,7 @@ class Executor:
         self._residency = residency = Residency()
         self._swaps = swaps = Swaps(residency, pool, device)
         self._verifier = verifier = Verifier(residency, replan, device)
-        self._calls = LayerCalls(residency, swaps, verifier, released, takeover)
+        self._calls = LayerCalls(residency, swaps, verifier, released, takeover, (self._pack, self._unpack))
         self._entries = Entries(residency, swaps, verifier, self._calls, released, keep_bytes)
         # (closed: a profiling step is the profile; gradient accumulation runs several)
         self._steps = Steps(self._entries, swaps, verifier, residency, verify=verify, opened=self._step_opened,
@@ -231,11 +243,7 @@ class Executor:
             if self._swaps.device is None:
                 self._device_type = _device_type(self.model)
                 self._swaps.device = self._verifier.device = Device.of(torch.device(self._device_type))
-            # a fast pre-check: parameters and buffers are never activations (_is_parameter is the
-            # full test, for parameters replaced later and ZeRO-3's gathered ones). The weak
-            # references keep a storage that ZeRO-3 replaces from handing its address to an activation.
-            self._params = {st._cdata: StorageWeakRef(st) for st in
-                            (t.untyped_storage() for t in (*self.model.parameters(), *self.model.buffers()))}
+            self._params = _parameter_storages(self.model)
         self.compiled.check_unchanged(self.model)
         stack = contextlib.ExitStack()
         try:
@@ -245,7 +253,7 @@ class Executor:
             self._handles.append(self.model.register_forward_hook(self._model_returned, always_call=True))
             for path, layer in self.layers:
                 self._handles.append(layer.register_forward_pre_hook(self._call_hook(path), with_kwargs=True))
-                self._handles += self.compiled.hooks(path, layer, lambda: self.observer or self._tracer, self._calls)
+                self._handles += self.compiled.hooks(path, layer, lambda: self.observer or self._tracer)
                 self._handles.append(layer.register_forward_hook(self._return_hook(path), always_call=True))
             stack.enter_context(self._hooks)
             if self.record and self.observer is None:
@@ -379,24 +387,27 @@ class Executor:
             step = self._steps.current
             if step is None or step.backward:
                 step = self._steps.forward()
-            entry = step.by_storage.get(cdata)
-            if entry is None or entry.holders <= 0:  # (a released entry's address may hold a new storage)
-                if t.device.type != self._device_type:
-                    step.stats.other_device_bytes += st.nbytes()
-                    return t
-                if _is_parameter(t):
-                    return t
-                before = entry
-                with no_dispatch():
-                    entry = self._entries.new(step, self.regions.label, t, st, before)
-                step.by_storage[cdata] = entry
-                if self.observer is not None and (before is None or before.key != entry.key):
-                    self.observer.saved(entry.key, t)
-            entry.holders += 1
-            if entry.decision is Decision.KEEP:
-                with no_dispatch():
-                    return Holder(self._released, entry, t.detach(), (), t._version, None)
-            return Holder(self._released, entry, None, meta_of(t), t._version, weakref.ref(t))
+            with no_dispatch() if _dispatch_modes() else _NO_MODES:  # (usually none to hide our tensor work from)
+                return self._hold(step, t, st, cdata)
+
+    def _hold(self, step: Step, t: torch.Tensor, st: torch.UntypedStorage, cdata: int):
+        """The holder autograd keeps for `t` (storage `st`), its entry made on its storage's first save."""
+        entry, held = step.by_storage.get(cdata), None
+        if entry is None or entry.holders <= 0:  # (a released entry's address may hold a new storage)
+            if t.is_cpu is not (self._device_type == "cpu"):
+                step.stats.other_device_bytes += st.nbytes()
+                return t
+            if _is_parameter(t):
+                return t
+            before, entry = entry, self._entries.new(step, self.regions.label, t, st, entry)
+            step.by_storage[cdata] = entry
+            if self.observer is not None and (before is None or before.key != entry.key):
+                self.observer.saved(entry.key, t)
+            held = entry.storage  # a new KEEP entry holds `t` detached: the same tensor serves the holder
+        entry.holders += 1
+        if entry.decision is Decision.KEEP:
+            return Holder(self._released, entry, held if held is not None else t.detach(), (), t._version, None)
+        return Holder(self._released, entry, None, meta_of(t), t._version, weakref.ref(t))
 
     def _unpack(self, holder):
         if type(holder) is not Holder:

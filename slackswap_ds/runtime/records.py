@@ -105,7 +105,7 @@ class Writer(NamedTuple):
     call: CallRecord
     op: int
     output: int
-    ref: StorageWeakRef  # keeps the storage's address from going to a new storage meanwhile
+    ref: StorageWeakRef | None  # keeps the storage's address from going to a new storage meanwhile (in step.writers)
 
 
 class Step:
@@ -180,12 +180,16 @@ class CallRecord:
     live: int = 0  # RECOMPUTE entries of the call still held by autograd (counted when the call returns)
     returned: bool = False  # the layer call has returned (calls.hold_arguments)
     done: bool = False
-    # a compiled layer's call (compiled.py), replayed whole: the random states at its start, the
-    # storages of its arguments, how many saves it packed so far, and the one being packed now
+    # a call replayed whole (a compiled layer's, or an eager one proven replayable whole: calls.py):
+    # the random states at its start, the storages of its arguments, how many saves it packed so
+    # far, and the one being packed now
     rng: tuple | None = None
     inputs: frozenset[int] = frozenset()
     packs: int = 0
     packing: int | None = None
+    # a recorded (eager) call: every random op drew from a generator a whole replay restores, and no
+    # op wrote into a tensor the call did not make (a whole replay could not give its old values back)
+    replayable_whole: bool = True
 
 
 class Detached:

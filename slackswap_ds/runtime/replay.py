@@ -53,14 +53,18 @@ from .flat import flatten, unflatten
 from .records import CallRecord, Entry, OpRecord
 
 __all__ = ["Recorder", "ReplayError", "ReplayMode", "ReplaySource", "autocast_state", "host_rng_states", "replaying",
-           "rng_states", "run_compiled_replay", "run_replay"]
+           "rng_states", "run_replay", "run_whole_replay"]
 
-_tls = threading.local()
+class _Replaying(threading.local):
+    replaying = False  # (a class default: asked at every save, and a missing attribute is slow to ask for)
+
+
+_tls = _Replaying()
 
 
 def replaying() -> bool:
     """True on a thread that is running a replay (its region hooks and saves are not the step's)."""
-    return getattr(_tls, "replaying", False)
+    return _tls.replaying
 
 
 class ReplayError(SlackSwapError, RuntimeError):
@@ -84,12 +88,14 @@ def autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype]]:
 
 class Recorder(RuntimeMode):
     """Active inside one recorded layer call in forward (see the module docstring). `on_output`
-    hears of every tensor output: (call, op, output index, tensor)."""
+    hears of every tensor output: (call, op, output index, tensor). It also finds whether the call
+    could be replayed whole (`CallRecord.replayable_whole`, `run_whole_replay`)."""
 
     def __init__(self, call: CallRecord, on_output: Callable[[CallRecord, int, int, torch.Tensor], None],
                  device_type: str):
         super().__init__()
         self.call, self.on_output, self.device_type = call, on_output, device_type
+        self.local: set[int] = set()  # storages (cdata) made by the call's ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -101,6 +107,10 @@ class Recorder(RuntimeMode):
         if is_random(func):
             gen = generator_of(func, args, kwargs)
             rng = (gen, gen.get_state()) if gen is not None else None
+            if gen is None or gen not in _restored_generators(self.device_type):
+                call.replayable_whole = False
+        if call.replayable_whole and written_args(func) and self._writes_outside(func, args, kwargs):
+            call.replayable_whole = False
         out = func(*args, **kwargs)
         leaves, spec = flatten(out)
         at, metas, kept = [], [], {}
@@ -109,6 +119,7 @@ class Recorder(RuntimeMode):
                 n = len(at)
                 at.append(i)
                 metas.append(meta_of(leaf))
+                self.local.add(leaf.untyped_storage()._cdata)
                 self.on_output(call, k, n, leaf)
                 if by_value(leaf, self.device_type):
                     with no_dispatch(), torch.no_grad():
@@ -116,6 +127,18 @@ class Recorder(RuntimeMode):
                 leaves[i] = None
         call.ops.append(OpRecord(func, spec, leaves, tuple(at), metas, kept, rng, bool(mutated_args(func))))
         return out
+
+    def _writes_outside(self, func: OpOverload, args: tuple, kwargs: dict) -> bool:
+        """`func` writes into a tensor the call did not make (an argument, a buffer, running statistics)."""
+        return any(isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in self.local
+                   for i in written_args(func) for t in flatten(arg_at(func, i, args, kwargs))[0])
+
+
+def _restored_generators(device_type: str) -> tuple[torch.Generator, ...]:
+    """The generators a whole replay starts again from their states at the call (`rng_states`)."""
+    if device_type == "cuda":
+        return torch.default_generator, torch.cuda.default_generators[torch.cuda.current_device()]
+    return (torch.default_generator,)
 
 
 # ---- backward: the replay ----------------------------------------------------------------------
@@ -288,29 +311,38 @@ def _set_host_rng(states: tuple) -> None:
         np.random.set_state(numpy_state)
 
 
-# ---- compiled layers (compiled.py): a call replayed whole -------------------------------------------
+# ---- a call replayed whole: a compiled layer's, or an eager one proven replayable whole -----------
 def rng_states(device_type: str) -> tuple:
     """The default generators' states (CPU, and the device's where it has one): a compiled graph
-    draws its random seeds from them when it starts, so a call run again from these states draws
-    the same (as torch.utils.checkpoint restores them)."""
+    draws its random seeds from them when it starts, and an eager call replayed whole draws only
+    from them (`Recorder`), so a call run again from these states draws the same (as
+    torch.utils.checkpoint restores them)."""
     device = torch.cuda.get_rng_state() if device_type == "cuda" else None
     return torch.get_rng_state(), device
 
 
-def run_compiled_replay(source: ReplaySource, call: CallRecord, args: tuple, kwargs: dict,
-                        enter_extra: Callable[[], ContextManager]) -> None:
-    """Run a compiled layer's call again, whole, from the random states it started from: the
-    compiled forward saves the same tensors in the same order, and the one it saves n-th is RECOMPUTE
-    target (0, n) if forward's n-th save was one (`captured`: checked against forward's bytes on a
-    verifying step). Its own graph is never used (saves dropped); the random states are restored after."""
+def run_whole_replay(source: ReplaySource, call: CallRecord, args: tuple, kwargs: dict,
+                     enter_extra: Callable[[], ContextManager], stop_early: bool) -> None:
+    """Run a layer's call again, whole, from the random states it started from, under no dispatch
+    mode: it saves the same tensors in the same order as in forward, and the one it saves n-th is
+    RECOMPUTE target (0, n) if forward's n-th save was one (`captured`: checked against forward's
+    bytes on a verifying step). Its own graph is never used (saves dropped); the random states are
+    restored after. A compiled call runs to its end (`call.packs` saves, checked); an eager one
+    (`stop_early`) stops once its last target is saved, as a replay op by op does."""
     cpu, device = call.rng
     count = [0]
+    remaining = [sum(1 for e in call.targets.values() if e.storage is None and e.holders > 0)]
+    if stop_early and remaining[0] == 0:
+        return
 
     def pack(t: torch.Tensor):
         n, count[0] = count[0], count[0] + 1
         entry = call.targets.get((0, n))
         if entry is not None and entry.storage is None and entry.holders > 0:
             source.captured(entry, t)
+            remaining[0] -= 1
+            if stop_early and remaining[0] == 0:
+                raise _StopReplay
         return None
 
     def unpack(_):
@@ -318,12 +350,15 @@ def run_compiled_replay(source: ReplaySource, call: CallRecord, args: tuple, kwa
                           "saved tensors")
 
     dynamo_never_compiles(pack, unpack)  # (called from the compiled call's eager parts)
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device is not None else []):
-        torch.set_rng_state(cpu)
-        if device is not None:
-            torch.cuda.set_rng_state(device)
-        with _as_in_forward(call, enter_extra, torch.autograd.graph.saved_tensors_hooks(pack, unpack)):
-            call.module(*args, **kwargs)
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device is not None else []):
+            torch.set_rng_state(cpu)
+            if device is not None:
+                torch.cuda.set_rng_state(device)
+            with _as_in_forward(call, enter_extra, torch.autograd.graph.saved_tensors_hooks(pack, unpack)):
+                call.module(*args, **kwargs)
+    except _StopReplay:
+        return
     if count[0] != call.packs:
-        raise ReplayError(f"the compiled call {call.label!r} saved {count[0]} tensors when run again, {call.packs} "
+        raise ReplayError(f"the call {call.label!r} saved {count[0]} tensors when run again, {call.packs} "
                           f"in forward")

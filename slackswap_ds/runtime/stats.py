@@ -24,6 +24,7 @@ class StepStats:
     ops_recomputed: int = 0
     recomputed_ops: list[str] = field(default_factory=list)  # op keys re-run by replays, in order
     unplanned_reruns: int = 0  # ops a replay had to re-run that the Schedule did not list
+    whole_replays: int = 0  # eager layer calls replayed whole, without a dispatch mode (calls.py)
     peak_device_bytes: int = 0
     host_pool_bytes: int = 0
     copy_waits: int = 0  # swapped tensors backward needed before their prefetch had run

@@ -156,6 +156,101 @@ def test_a_replay_never_writes_running_statistics_twice():
         assert torch.equal(v, after_reference[k]), k
 
 
+# ---- calls replayed whole (calls.py) ----------------------------------------------------------------
+class Noisy(Pair):
+    """Dropout, and Python's and NumPy's generators: a whole run from the call's states draws the same."""
+
+    def forward(self, x):
+        h = nn.functional.dropout(self.a(x).tanh(), 0.3, self.training)
+        return self.b(h * (1 + random.random()) * (1 + float(np.random.rand()))).tanh()
+
+
+class Averaging(Pair):
+    """Keeps an average of its activations in a buffer, in place: a whole run would add to it again."""
+
+    def reset(self) -> None:
+        self.register_buffer("mean", torch.zeros(16))
+
+    def forward(self, x):
+        h = self.a(x).tanh()
+        self.mean.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        return self.b(h).tanh()
+
+
+def _steps(kind, x, plan_for=None, n=4):
+    """n steps of a new `Stack(kind)` (seeded: the same parameters and state every time), under the
+    plan `plan_for(profile)` if given: per step the loss and gradients, the model's state after it,
+    and the calls replayed whole; and the executor."""
+    model = Stack(kind)
+    ex = None
+    if plan_for is not None:
+        prof = profile(Stack(kind), loss_step, x)
+        ex = ss.apply(model, plan_for(prof), prof)
+    random.seed(3)
+    np.random.seed(3)
+    _reset(model)
+    out = []
+    for _ in range(n):
+        got = run(model, loss_step, x, ex)
+        out.append((got, {k: v.clone() for k, v in model.state_dict().items()},
+                    ex.stats.last_step.whole_replays if ex is not None else 0))
+    return out, ex
+
+
+@pytest.mark.parametrize("kind, whole", [(Noisy, True), (TwoGenerators, False), (Averaging, False), (Normed, False)],
+                         ids=["default-generators", "own-generator", "writes-a-buffer", "batch-norm"])
+def test_a_full_recompute_replays_a_call_whole_once_a_recording_showed_it_exact(kind, whole):
+    """From the second step on, a layer whose every op its plan re-runs is replayed whole, with no
+    dispatch mode (as torch's checkpoint does), if the first step's recording showed that this is
+    exact: only the default generators drawn from, no tensor written that the call did not make.
+    A layer drawing from its own generator or writing into a buffer is replayed op by op on every
+    step. Either way every step is exact and the model's state is the plain run's."""
+    x = torch.randn(8, 16)
+    reference, _ = _steps(kind, x)
+    got, ex = _steps(kind, x, recompute_all)
+    for step, ((a, state_a, n), (b, state_b, _)) in enumerate(zip(got, reference)):
+        assert_exact(a, b)
+        assert state_a.keys() == state_b.keys() and all(torch.equal(state_a[k], state_b[k]) for k in state_a), step
+        assert n == (3 if whole and step > 0 else 0), step  # (3 layers)
+    assert ex.stats.demotions == [] and ex.stats.last_step.fallbacks == {}
+    assert ex.stats.last_step.ops_recomputed > 0 and ex.stats.last_step.unplanned_reruns == 0
+
+
+class Repeats(Pair):
+    """Repeats its activations REPEATS["now"] times: a global the loop may change between forward and backward."""
+
+    def forward(self, x):
+        h = torch.cat([self.a(x).tanh()] * REPEATS["now"], 0).sigmoid()
+        return self.b(h[: x.shape[0]]).tanh()
+
+
+REPEATS = {"now": 1}
+
+
+def test_a_call_replayed_whole_that_saves_other_sizes_is_an_error_not_a_wrong_gradient():
+    """Without verification, a layer whose replay saves another size than forward did (a global changed
+    between forward and backward) raises a ReplayError when replayed whole too."""
+    model = Stack(Repeats)
+    x = torch.randn(4, 16)
+    prof = profile(model, loss_step, x)
+    ex = ss.apply(model, recompute_all(prof), prof, verify=False)
+    for _ in range(2):
+        assert_exact(run(model, loss_step, x, ex), run(model, loss_step, x))
+    assert ex.stats.last_step.whole_replays == 3
+
+    def changed_between(model, x):
+        loss = model(x)
+        REPEATS["now"] = 2
+        try:
+            loss.backward()
+        finally:
+            REPEATS["now"] = 1
+        return loss
+
+    with pytest.raises(ReplayError, match="in a storage of"):
+        run(model, changed_between, x, ex)
+
+
 # ---- outputs that are not tensors ------------------------------------------------------------------
 _lib = torch.library.Library("slackswap_test", "DEF")
 _lib.define("ninefold(Tensor x, float p) -> (Tensor, Tensor, Tensor?, int, int, Tensor, SymInt, Tensor, Tensor)")
@@ -254,7 +349,7 @@ class Once(Pair):
 
 def _reset(model):
     for layer in model.layers:
-        layer.reset()
+        getattr(layer, "reset", lambda: None)()
 
 
 @pytest.mark.parametrize("kind, reason", [(PythonNoise, "values differ"), (Counting, "values differ"),
