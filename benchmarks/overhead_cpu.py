@@ -7,6 +7,8 @@ mechanism adds per aten op is what it costs a GPU step whose kernels are small. 
 interleaved, medians; every row on the same GPT-2-style model:
 
   unmodified                 the plain step
+  hooks: identity            saved-tensor hooks that return what they get: autograd calling Python
+  hooks: a holder each       a small object holding each saved tensor: the floor of any such design
   slackswap keep-all         a plan that keeps everything: the hooks real plans use, nothing moved
   slackswap swap-all         every saved tensor to the host pool and back (synchronous on CPU)
   slackswap @0.5             the planner's plan at a 50% budget (swaps and recomputes)
@@ -52,6 +54,20 @@ class _CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
         return func(*args, **(kwargs or {}))
+
+
+def _same(t):
+    return t
+
+
+class _Held:
+    __slots__ = ("t",)
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t.detach()
+
+    def get(self) -> torch.Tensor:
+        return self.t
 
 
 def recompute_set(prof, plan) -> dict[str, set[int]]:
@@ -109,7 +125,7 @@ def checkpointed(blocks, paths, context_for=None):
             del block.forward  # (the class's again: an instance attribute left behind would look like a wrapper)
 
 
-ORDER = ("unmodified", "slackswap keep-all", "slackswap swap-all", "slackswap @0.5", "slackswap recompute R",
+ORDER = ("unmodified", "hooks: identity", "hooks: a holder each", "slackswap keep-all", "slackswap swap-all", "slackswap @0.5", "slackswap recompute R",
          "torch SAC, policy R", "slackswap full recompute", "torch checkpoint")
 GPU_PRESETS = ("a100-80g-pcie4", "h100-pcie5")
 # issue 38: keep-all against the unmodified step, full recompute against torch's checkpoint, per hidden size
@@ -166,6 +182,10 @@ def measure(args, hidden: int) -> dict[str, float]:
     runs: dict[str, object] = {"unmodified": contextlib.nullcontext}
     for name, plan in plans.items():
         runs[name] = functools.partial(lambda ex: ex, ss.apply(model, plan, prof, verify=False))
+    # the floors of any design built on saved-tensor hooks: autograd calls Python for each save and each
+    # unpack (identity), and each save gets a small Python object holding it (what a plan's holder is)
+    runs["hooks: identity"] = lambda: torch.autograd.graph.saved_tensors_hooks(_same, _same)
+    runs["hooks: a holder each"] = lambda: torch.autograd.graph.saved_tensors_hooks(_Held, _Held.get)
     runs["torch SAC, policy R"] = lambda: checkpointed(blocks, paths, lambda p: sac_context(rerun[p]) if p in rerun
                                                        else None)
     runs["torch checkpoint"] = lambda: checkpointed(blocks, paths)
@@ -193,6 +213,15 @@ def measure(args, hidden: int) -> dict[str, float]:
     verdict = "met" if ours <= sac else "NOT met"
     print(f"target: slackswap recompute R adds <= torch SAC, policy R per op: {verdict} "
           f"({(ours - base) / n_ops * 1e6:.2f} vs {(sac - base) / n_ops * 1e6:.2f} us/op)")
+    keep = runs["slackswap keep-all"]()
+    entered = []
+    for _ in range(101):
+        t0 = time.perf_counter()
+        with keep:
+            pass
+        entered.append(time.perf_counter() - t0)
+    print(f"a step's fixed host cost under a plan (entering and leaving the executor: hooks, takeover, checks): "
+          f"{statistics.median(entered) * 1e3:.3f} ms; {len(prof.activations)} saved storages per step")
     print_gpu_comparison(med, n_ops, kernel_times(cfg, args.seq, args.batch))
     return {**med, "ops": n_ops}
 

@@ -70,7 +70,7 @@ class StepReports:
         if self.summarized or not sum(self.summary.counts.values()):
             return None
         self.summarized = True
-        data = self.summary.data(**counters) | {"state": state, "rank": job_rank()}
+        data = self.summary.data(**counters) | {"state": state, "rank": job_rank(), "device_type": self.device_type}
         if stage is not None:
             data["stage"] = stage
         path = self.summary_file(stage)
@@ -102,13 +102,15 @@ class StepReports:
 
     def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int],
              shapes: str = "", keep_all: int | None = None, moved: tuple[int, int] = (0, 0),
-             events: Iterable = (), budget_waits: int = 0) -> None:
+             events: Iterable = (), budget_waits: int = 0, hooks_host_s: float = 0.0) -> None:
         """A planned step ended (`moved`: its swapped and recomputed bytes; `events`: its lifecycle
-        transitions; `budget_waits`: copy-outs the host waited for to stay within the budget). Each
+        transitions; `budget_waits`: copy-outs the host waited for to stay within the budget;
+        `hooks_host_s`: host seconds in SlackSwap's hooks, against the plan's predicted kernel time). Each
         step's peak is held against its own plan's budget: the report names the step closest to (or
         furthest over) its budget, with that plan's prediction and budget."""
         seconds = self._tick()
         self.summary.step("planned", seconds, peak_bytes, fallbacks, plan, shapes, keep_all, moved, budget_waits)
+        self.summary.host(hooks_host_s, prediction.step_s)
         if seconds is not None:
             self.elapsed += seconds
             self.timed += 1
@@ -247,6 +249,11 @@ class JobSummary:
         self.budget_waits = 0  # copy-outs the host waited for so that saves stayed within the budget
         self.fallbacks: collections.Counter[str] = collections.Counter()
         self.shapes: dict[str, dict] = {}
+        self.hooks_s: list[tuple[float, float]] = []  # per planned step: (host s in SlackSwap's hooks, predicted kernel s)
+
+    def host(self, hooks_s: float, kernels_s: float) -> None:
+        """A planned step's host time in SlackSwap's hooks, and the forward and backward its plan predicts."""
+        self.hooks_s.append((hooks_s, kernels_s))
 
     def step(self, kind: str, seconds: float | None, peak_bytes: int, fallbacks: Mapping[str, int],
              plan: Plan | None = None, shapes: str = "", keep_all: int | None = None,
@@ -277,6 +284,9 @@ class JobSummary:
                 "median_step_ms": {kind: round(1e3 * statistics.median(t), 3) for kind, t in self.times.items() if t},
                 "peak_saved_bytes": {kind: self.peaks[kind] for kind in KINDS if self.counts[kind]},
                 "planned_steps_over_budget": self.over_budget, "budget_waits": self.budget_waits,
+                **({"hooks_host_ms": round(1e3 * statistics.median(h for h, _ in self.hooks_s), 3),
+                    "predicted_kernels_ms": round(1e3 * statistics.median(k for _, k in self.hooks_s), 3)}
+                   if self.hooks_s else {}),
                 "fallbacks": dict(self.fallbacks), "shapes": shapes}
 
 
@@ -330,6 +340,12 @@ def say_summary(data: dict, path: str | None) -> None:
                      f"recomputed {row['recomputed_bytes_per_step']:,} B")
     if len(shapes) > 8:
         lines.append(f"... and {len(shapes) - 8} more input shapes" + (f" (all in {path})" if path else ""))
+    if data.get("device_type") == "cuda" and "hooks_host_ms" in data:  # (on a CPU, kernels are host time too)
+        hooks, kernels = data["hooks_host_ms"], data["predicted_kernels_ms"]
+        verdict = ("hidden while the host stays ahead of the GPU" if hooks < kernels else
+                   "more than the kernels take: the GPU waits on the host")
+        lines.append(f"host time in SlackSwap's hooks: median {hooks:.2f} ms per planned step, {hooks / max(kernels, 1e-9):.1%} "
+                     f"of the {kernels:.2f} ms its plan predicts for forward and backward ({verdict})")
     if data.get("budget_waits"):
         lines.append(f"the host waited {data['budget_waits']} time(s) for a copy-out to end so that a save stayed "
                      f"within the budget (the copies were slower than the plan timed them)")

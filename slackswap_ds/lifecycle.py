@@ -77,6 +77,7 @@ class Step:
     moved: tuple[int, int] = (0, 0)  # bytes swapped and recomputed under its plan
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
     budget_waits: int = 0  # copy-outs the host waited for so that saves stayed within the budget
+    hooks_host_s: float = 0.0  # host seconds in SlackSwap's saved-tensor hooks (replays excluded)
     finished: list[StepStats] = field(default_factory=list)  # each micro-batch's counters, at its backward's end
     events: list[Transition] = field(default_factory=list)
 
@@ -98,6 +99,7 @@ class Step:
         self.peak = max(self.peak, stats.peak_device_bytes)
         self.fallbacks.update(stats.fallbacks)
         self.budget_waits += stats.budget_waits
+        self.hooks_host_s += stats.hooks_host_s
         if executor.plan is not None:
             self.moved = (self.moved[0] + stats.swapped_bytes, self.moved[1] + stats.recomputed_bytes)
         return stats
@@ -318,7 +320,7 @@ class ShapeLifecycle:
         unplanned = sum(stats.unplanned for stats in step.finished)
         self.shape_plans.after_planned_step(key, step.peak, unplanned, step.events)  # (may re-plan or drop it)
         self.reports.step(plan, prediction, step.peak, step.fallbacks, str(shapes_of(key)), keep_all, step.moved,
-                          step.events, step.budget_waits)
+                          step.events, step.budget_waits, step.hooks_host_s)
 
     # ---- runners -----------------------------------------------------------------------------------------
     def _runner(self, key: ShapeKey, tag: Hashable) -> Runner:

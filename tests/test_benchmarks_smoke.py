@@ -217,12 +217,10 @@ def test_overhead_cpu_prints_the_comparison(capsys):
     pytest.importorskip("transformers")
     from benchmarks import overhead_cpu
 
-    assert overhead_cpu.main(["--layers", "2", "--repeats", "1"]) == 0
+    assert overhead_cpu.main(["--layers", "2", "--repeats", "1", "--hidden", "32"]) == 0
     out = capsys.readouterr().out
     ops = int(re.search(r": (\d+) aten ops per step;", out).group(1))
-    table = printed_rows(out, ("unmodified", "slackswap keep-all", "slackswap swap-all", "slackswap @0.5",
-                               "slackswap recompute R", "torch SAC, policy R", "slackswap full recompute",
-                               "torch checkpoint"))
+    table = printed_rows(out.split("on a GPU")[0], overhead_cpu.ORDER)
     base_ms = float(table["unmodified"][0])
     for name, (ms, ratio, added) in table.items():
         assert float(ms) > 0 and float(ratio) > 0 and ratio_agrees(float(ratio), float(ms), base_ms, 0.01), name
@@ -233,6 +231,18 @@ def test_overhead_cpu_prints_the_comparison(capsys):
     target = re.search(r"target: slackswap recompute R adds <= torch SAC, policy R per op: (met|NOT met) "
                        r"\((-?[\d.]+) vs (-?[\d.]+) us/op\)", out)
     assert target and (float(target.group(2)), float(target.group(3))) == (ours, sac)
+    keep, full = (float(table[name][0]) for name in ("slackswap keep-all", "slackswap full recompute"))
+    verdicts = re.search(r"hidden 32: keep-all ([\d.]+)x the unmodified step \(target <= 1.3x: (met|NOT met)\); "
+                         r"full recompute ([\d.]+)x torch checkpoint \(target <= 1.5x: (met|NOT met)\)", out)
+    assert verdicts and float(verdicts.group(1)) == pytest.approx(keep / base_ms, abs=0.002)
+    assert float(verdicts.group(3)) == pytest.approx(full / float(table["torch checkpoint"][0]), abs=0.002)
+    # the GPU comparison: one row per run, the host time a row adds per op over each preset's kernel time per op
+    kernels = dict(re.findall(r"(a100-80g-pcie4|h100-pcie5) [\d.]+ ms = ([\d.]+) us per aten op", out))
+    assert set(kernels) == {"a100-80g-pcie4", "h100-pcie5"} and all(float(v) > 0 for v in kernels.values())
+    gpu = printed_rows(out.split("on a GPU")[1], overhead_cpu.ORDER)
+    for name, (_, over_a100, _) in gpu.items():
+        assert float(over_a100) == pytest.approx(float(table[name][2]) / float(kernels["a100-80g-pcie4"]), rel=0.05,
+                                                 abs=0.02), name
     assert target.group(1) == ("met" if ours <= sac else "NOT met") or ours == sac  # (equal when printed)
 
 

@@ -189,3 +189,23 @@ time.sleep(60)
     data = json.loads(path.read_text())
     assert data["state"] == "stopped by SIGTERM" and data["steps"] == {"warm-up": 1, "profiled": 1, "planned": 1,
                                                                         "shelter": 0}
+
+
+def test_on_a_gpu_the_summary_compares_the_hooks_host_time_with_the_predicted_kernel_time(caplog):
+    """The host time in SlackSwap's hooks (replays excluded) beside the forward and backward its plan
+    predicts: said on a GPU, where the kernels run asynchronously and the host only has to stay
+    ahead; on a CPU the kernels are host time too, and only the JSON has the figures."""
+    plan, prediction = a_plan(), Prediction(0.9, 0.012, 35)  # 12 ms of forward and backward
+    for device, said in (("cuda", True), ("cpu", False)):
+        cfg = load_config({"slackswap": {"hardware": "a100-80g-pcie4"}})
+        report = StepReports(cfg, load_hardware(cfg.hardware), device)
+        for hooks_s in (0.002, 0.003, 0.0031):
+            report.step(plan, prediction, 30, {}, "[(2, 8)]", 60, hooks_host_s=hooks_s)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="slackswap_ds"):
+            data = report.end_of_job()
+        assert (data["hooks_host_ms"], data["predicted_kernels_ms"], data["device_type"]) == (3.0, 12.0, device)
+        lines = [r.getMessage() for r in caplog.records if "hooks" in r.getMessage()]
+        assert lines == (["slackswap summary: host time in SlackSwap's hooks: median 3.00 ms per planned step, 25.0% "
+                          "of the 12.00 ms its plan predicts for forward and backward (hidden while the host stays "
+                          "ahead of the GPU)"] if said else [])

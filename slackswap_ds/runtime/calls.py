@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import time
 from typing import Callable, ContextManager
 
 import torch
@@ -45,6 +46,7 @@ from .compiled import dynamo_never_compiles, is_compiled
 from .replay import (Recorder, ReplayError, autocast_state, host_rng_states, rng_states, run_replay,
                      run_whole_replay)
 from .residency import Residency
+from .stats import HostClock
 from .stream_sanitizer import StreamProtocolError
 from .swaps import Swaps
 from .verify import Verifier
@@ -56,12 +58,13 @@ class LayerCalls:
     """The recorded layer calls of an executor's steps (see the module docstring)."""
 
     def __init__(self, residency: Residency, swaps: Swaps, verifier: Verifier, released: collections.deque[Entry],
-                 takeover: bool, saved: tuple[Callable, Callable]):
+                 takeover: bool, saved: tuple[Callable, Callable], clock: HostClock):
         self.residency, self.swaps, self.verifier = residency, swaps, verifier
         self.released = released  # the executor's queue of holders gone: a replay's pins end there
         self.takeover = takeover  # checkpoint calls run inline in replays too (takeover.py)
         self._saved = saved  # the executor's (pack, unpack): a call replayed whole counts its saves on the way
-        dynamo_never_compiles(self._count)  # (called from compiled blocks' eager parts)
+        self.clock = clock  # the executor's hook time: a replay's is compute, not counted there
+        dynamo_never_compiles(self._count, *saved)  # (called from compiled blocks' eager parts)
         self._recorders: dict[str, ContextManager] = {}  # open recorded calls by label: Recorder or counting hooks
         self._replaying: list[Step] = []  # steps of the replays running now (one replay may need another)
         self.whole_call: CallRecord | None = None  # the recorded call running now that will be replayed whole
@@ -163,7 +166,7 @@ class LayerCalls:
         """Regenerate `call`'s RECOMPUTE tensors (once; see the module docstring)."""
         call.done = True
         timeline = self.residency.timeline
-        start = timeline.now() if timeline else 0.0
+        start, began = timeline.now() if timeline else 0.0, time.perf_counter()
         self._replaying.append(step)
         try:
             args, kwargs = self._arguments(call)
@@ -197,6 +200,8 @@ class LayerCalls:
                     self.verifier.restore(entry)
         finally:
             self._replaying.pop()
+            if not self._replaying:  # (the outermost replay: the time of any it needed is in its own)
+                self.clock.seconds -= time.perf_counter() - began
             self.unpin(call)
             if timeline is not None:
                 timeline.span("compute", "recompute", call.label, start, timeline.now())

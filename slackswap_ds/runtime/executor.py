@@ -76,7 +76,7 @@ from .records import DROPPED, Entry, Holder, Step
 from .regions import RegionTracker, find_layers
 from .replay import ReplayError, replaying
 from .residency import Residency
-from .stats import RunStats
+from .stats import HostClock, RunStats
 from .steps import Steps
 from .swaps import Swaps
 from .timeline import Timeline
@@ -176,15 +176,15 @@ class Executor:
         self._residency = residency = Residency()
         self._swaps = swaps = Swaps(residency, pool, device)
         self._verifier = verifier = Verifier(residency, replan, device)
-        self._calls = LayerCalls(residency, swaps, verifier, released, takeover, (self._pack, self._unpack))
+        self._clock = clock = HostClock()
+        hooks = clock.timed(self._pack), clock.timed(self._unpack)
+        self._calls = LayerCalls(residency, swaps, verifier, released, takeover, hooks, clock)
         self._entries = Entries(residency, swaps, verifier, self._calls, released, keep_bytes)
-        # (closed: a profiling step is the profile; gradient accumulation runs several)
         self._steps = Steps(self._entries, swaps, verifier, residency, verify=verify, opened=self._step_opened,
-                            closed=lambda step: self.observer is not None and self.observer.step_closed(),
-                            verify_every=verify_every, said=said)
+                            closed=self._step_closed, verify_every=verify_every, said=said)
         self.stats, self._released = self._steps.stats, released
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(*hooks)
         self._stack: contextlib.ExitStack | None = None
         self._params: dict[int, StorageWeakRef] = {}
         self._device_type = device.torch_device.type if device is not None else "cpu"
@@ -224,11 +224,6 @@ class Executor:
     def device(self) -> Device | None:
         """Where the copies run (the model's device, known from the first entry on)."""
         return self._swaps.device
-
-    @property
-    def region(self) -> str:
-        """The label of the region running now (naming.py)."""
-        return self.regions.label
 
     @property
     def resident_bytes(self) -> int:
@@ -293,6 +288,11 @@ class Executor:
             tracer = self.observer if self.observer is not None else self._tracer
             if tracer is not None:
                 tracer.timeline = timeline
+
+    def _step_closed(self, step: Step) -> None:  # (a profiling step is the profile; accumulation runs several)
+        step.stats.hooks_host_s = self._clock.take()
+        if self.observer is not None:
+            self.observer.step_closed()
 
     def start(self, tag: Hashable) -> None:
         """The forward of pipeline micro-batch `tag` begins: a step of its own (see steps.py)."""

@@ -60,7 +60,7 @@ class ProfileSession:
         self.model = model
         device = device_of(model)
         # the tracer asks for the region while the step runs, when the executor exists
-        self.tracer = StepTracer(lambda: self.executor.region, timer or _sync_timer(device), device.type)
+        self.tracer = StepTracer(lambda: self.executor.regions.label, timer or _sync_timer(device), device.type)
         self.executor = Executor.profiling(model, self.tracer, keep_bytes=keep_bytes, pool=pool)
         self.forwards = [0]  # where each forward of the step began: the tracer's saves before it
         self._checkpoint_calls_before = inline_checkpoint_calls()

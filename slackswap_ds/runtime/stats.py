@@ -6,12 +6,14 @@ last closed step's `StepStats`. Device bytes are those of residency.py (what a b
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..plan import Plan
 from .timeline import MeasuredStep
 
-__all__ = ["RunStats", "StepStats"]
+__all__ = ["HostClock", "RunStats", "StepStats"]
 
 
 @dataclass
@@ -25,6 +27,7 @@ class StepStats:
     recomputed_ops: list[str] = field(default_factory=list)  # op keys re-run by replays, in order
     unplanned_reruns: int = 0  # ops a replay had to re-run that the Schedule did not list
     whole_replays: int = 0  # eager layer calls replayed whole, without a dispatch mode (calls.py)
+    hooks_host_s: float = 0.0  # host seconds in the executor's saved-tensor hooks, replays excluded (HostClock)
     peak_device_bytes: int = 0
     host_pool_bytes: int = 0
     copy_waits: int = 0  # swapped tensors backward needed before their prefetch had run
@@ -40,6 +43,34 @@ class StepStats:
 
     def fallback(self, reason: str) -> None:
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+
+class HostClock:
+    """Host seconds an executor spends in its saved-tensor hooks, the compute of replays excluded:
+    the host work a GPU would wait on if it fell behind the kernels (the job's summary compares it
+    with the step's kernel time). Taken per step (`StepStats.hooks_host_s`)."""
+
+    __slots__ = ("seconds",)
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, hook: Callable) -> Callable:
+        """`hook`, its time counted."""
+        clock, now = self, time.perf_counter
+
+        def timed_hook(x):
+            start = now()
+            try:
+                return hook(x)
+            finally:
+                clock.seconds += now() - start
+        return timed_hook
+
+    def take(self) -> float:
+        """The seconds counted since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 @dataclass

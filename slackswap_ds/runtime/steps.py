@@ -142,8 +142,7 @@ class Steps:
         step.closed = True
         if step.live == 0:
             step.clear()
-        if step.program is None:
-            self.closed(step)
+        self.closed(step)
         stats = step.stats
         stats.host_pool_bytes = self.swaps.bytes_in_use()
         self.stats.steps += 1

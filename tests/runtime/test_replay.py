@@ -5,6 +5,7 @@ logged while the step's gradients stay exact."""
 
 import logging
 import random
+import time
 
 import numpy as np
 import pytest
@@ -249,6 +250,24 @@ def test_a_call_replayed_whole_that_saves_other_sizes_is_an_error_not_a_wrong_gr
 
     with pytest.raises(ReplayError, match="in a storage of"):
         run(model, changed_between, x, ex)
+
+
+class Slow(Pair):
+    def forward(self, x):
+        time.sleep(0.03)  # (forward and every replay of it)
+        return self.b(self.a(x).tanh()).tanh()
+
+
+def test_the_hooks_host_time_is_counted_per_step_and_replays_are_not_in_it():
+    """StepStats.hooks_host_s: the host time in the executor's saved-tensor hooks, what a GPU would wait
+    on if the host fell behind; the replays run inside backward's unpacks, and their compute is not in it."""
+    model, x = Stack(Slow), torch.randn(4, 16)
+    prof = profile(model, loss_step, x)
+    ex = ss.apply(model, recompute_all(prof), prof)
+    for _ in range(2):  # (op by op, then whole)
+        run(model, loss_step, x, ex)
+        last = ex.stats.last_step
+        assert last.ops_recomputed > 0 and 0 < last.hooks_host_s < 0.03, last.hooks_host_s
 
 
 # ---- outputs that are not tensors ------------------------------------------------------------------
