@@ -232,7 +232,7 @@ def print_gpu_comparison(med: dict[str, float], n_ops: int, kernels: dict[str, f
     it issues the step's ops at least that fast. On this CPU an op's host time includes its CPU
     kernel; what SlackSwap adds per op (beyond the unmodified step) is host time alone."""
     base = med["unmodified"]
-    print(f"on a GPU (the presets' kernel times for this step, fp32): "
+    print("on a GPU (the presets' kernel times for this step, fp32): "
           + "; ".join(f"{hw} {t * 1e3:.3f} ms = {t / n_ops * 1e6:.2f} us per aten op ({n_ops / t:,.0f} ops/s)"
                       for hw, t in kernels.items()))
     print(f"{'run':26s} {'ops/s here':>11s} " + " ".join(f"{'added/' + hw.split('-')[0] + ' op':>16s}"

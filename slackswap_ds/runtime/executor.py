@@ -125,7 +125,6 @@ def _in_backward() -> bool:
 
 
 _dispatch_modes = torch._C._len_torch_dispatch_stack  # dispatch modes active now (a profiler's tracer, a recording)
-_NO_MODES = contextlib.nullcontext()
 
 
 def _device_type(model: nn.Module) -> str:
@@ -378,8 +377,7 @@ class Executor:
         if _in_backward() or self._eval_depth or type(t) not in PLAIN_TENSOR_TYPES or t.is_meta or is_compiling():
             return t
         st = t.untyped_storage()
-        cdata = st._cdata
-        if cdata in self._params:
+        if (cdata := st._cdata) in self._params:
             return t
         with self._lock:
             if self._released:
@@ -387,7 +385,9 @@ class Executor:
             step = self._steps.current
             if step is None or step.backward:
                 step = self._steps.forward()
-            with no_dispatch() if _dispatch_modes() else _NO_MODES:  # (usually none to hide our tensor work from)
+            if not _dispatch_modes():  # (usually none to hide our own tensor work from)
+                return self._hold(step, t, st, cdata)
+            with no_dispatch():
                 return self._hold(step, t, st, cdata)
 
     def _hold(self, step: Step, t: torch.Tensor, st: torch.UntypedStorage, cdata: int):
