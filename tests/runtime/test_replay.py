@@ -25,6 +25,20 @@ def loss_step(model, x):
     return loss
 
 
+def changed_in_backward(state: dict, value):
+    """A step that sets state["now"] to `value` between forward and backward (as a schedule or a flag
+    might) and back after: a replay then runs with other state than forward did."""
+    def step(model, x):
+        loss = model(x)
+        before, state["now"] = state["now"], value
+        try:
+            loss.backward()
+        finally:
+            state["now"] = before
+        return loss
+    return step
+
+
 class Stack(nn.Module):
     """Layers in a ModuleList (the regions), a sum as the loss."""
 
@@ -238,18 +252,8 @@ def test_a_call_replayed_whole_that_saves_other_sizes_is_an_error_not_a_wrong_gr
     for _ in range(2):
         assert_exact(run(model, loss_step, x, ex), run(model, loss_step, x))
     assert ex.stats.last_step.whole_replays == 3
-
-    def changed_between(model, x):
-        loss = model(x)
-        REPEATS["now"] = 2
-        try:
-            loss.backward()
-        finally:
-            REPEATS["now"] = 1
-        return loss
-
     with pytest.raises(ReplayError, match="in a storage of"):
-        run(model, changed_between, x, ex)
+        run(model, changed_in_backward(REPEATS, 2), x, ex)
 
 
 class Slow(Pair):
@@ -433,16 +437,7 @@ class ReadsAGlobal(Pair):
 SCALE = {"now": 1.0}
 
 
-def contract_broken_step(model, x):
-    """forward; the global changes (2.0, as a schedule or a flag set between forward and backward
-    might); backward; the global back."""
-    loss = model(x)
-    SCALE["now"] = 2.0
-    try:
-        loss.backward()
-    finally:
-        SCALE["now"] = 1.0
-    return loss
+contract_broken_step = changed_in_backward(SCALE, 2.0)
 
 
 @pytest.mark.parametrize("again", [False, True], ids=["first-step-only", "verify-again"])
