@@ -42,6 +42,22 @@ def test_loops_are_exact_under_random_plans(gpt2, loop):
     assert ex.stats.steps == 2 * steps_per_call
 
 
+@pytest.mark.parametrize("loop", [two_forwards, no_grad_forward_between, eval_forward_between, accumulate])
+def test_loops_are_exact_with_layer_calls_replayed_whole(gpt2, loop):
+    """A full recompute: from the second step on every layer call is replayed whole, with no dispatch
+    mode (calls.py); the loops stay exact (two forwards: each layer's two calls)."""
+    model, batch = gpt2
+    reference = run(model, loop, batch)
+    prof = profile(model, loop, batch)
+    ex = ss.apply(model, ss.plan(prof, "a100-80g-pcie4", 1.0, planner="full-recompute"), prof)
+    for _ in range(3):
+        assert_exact(run(model, loop, batch, ex), reference)
+    last = ex.stats.last_step
+    layers = len(model.transformer.h)
+    assert last.whole_replays == (2 * layers if loop is two_forwards else layers)
+    assert last.fallbacks == {} and last.unplanned_reruns == 0 and ex.stats.demotions == []
+
+
 def test_eval_forward_with_grad_is_left_alone_and_does_not_shift_the_next_step(gpt2):
     model, batch = gpt2
     reference = run(model, zoo.step, batch)
