@@ -39,9 +39,6 @@ from .verify import Verifier
 __all__ = ["Entries"]
 
 
-_KEEP = Decision.KEEP  # (asked at every save: a module global is quicker to reach than an enum member)
-
-
 def _fallback(step: Step, why: str) -> Decision:
     step.stats.fallback(f"{why}: kept")
     return Decision.KEEP
@@ -91,10 +88,7 @@ class Entries:
         if writer is None and whole is not None and whole.label == label and whole.packing is not None \
                 and st._cdata not in whole.inputs:  # saved n-th by a call replayed whole: its run again saves it n-th
             writer = Writer(whole, 0, whole.packing, None)
-        if planned is not None and planned.decision is _KEEP and planned.nbytes == nbytes and step.cap is None:
-            decision = _KEEP  # (the common case, in short: every check of _decision passes)
-        else:
-            decision = self._decision(step, planned, nbytes, writer)
+        decision = self._decision(step, planned, nbytes, writer)
         # A SWAP or RECOMPUTE entry outlives its device storage: the weak reference keeps the
         # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
         ref = StorageWeakRef(st) if decision is not Decision.KEEP else None
@@ -114,6 +108,8 @@ class Entries:
 
     def _decision(self, step: Step, planned: PlannedTensor | None, nbytes: int, writer: Writer | None) -> Decision:
         """The plan's decision for a new entry, or KEEP (counted) where it cannot be carried out."""
+        if planned is not None and planned.decision is Decision.KEEP and planned.nbytes == nbytes and step.cap is None:
+            return Decision.KEEP  # (the common case, asked at every save: none of the checks below can object)
         if step.program is None:  # no plan: to host (blocking), so the step fits any budget above the kept bytes
             return Decision.KEEP if self.residency.bytes + nbytes <= self.keep_bytes else Decision.SWAP
         if planned is None:  # another code path than profiled (an attention mask of all ones that a model drops)
