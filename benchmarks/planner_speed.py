@@ -2,10 +2,14 @@
 
 Measured (median and min over N repeats, time.perf_counter, on this machine's CPU):
 
-* plan llama-7b   : plan_slackswap(profile, gpu, budget) for Llama-7B  (target <= 50 ms)
+* plan llama-7b   : the greedy search alone (`slackswap-greedy`) for Llama-7B (target <= 50 ms)
 * plan llama-70b  : the same for Llama-70B, 80 layers                  (target <= 500 ms)
-* simulate llama-70b: simulate(lower(profile, plan), gpu, record=False) of the Llama-70B slackswap
+* simulate llama-70b: simulate(lower(profile, plan), gpu, record=False) of the Llama-70B greedy
                       plan, one step                                    (target <= 200 ms)
+* ... refined     : the default planner (`slackswap`: the greedy search, then the exact search for
+                    at most REFINE_BUDGET_S = 2 s, planners/refine.py); target: that budget plus the
+                    greedy target; the row says how the plan was found and its simulated throughput
+                    beside the greedy plan's
 
 Each planning repeat gets a freshly built profile (built outside the timer), so caches on the
 profile object do not make later repeats look faster than a real first plan. One untimed warm-up
@@ -35,22 +39,25 @@ if __package__ in (None, ""):  # run as a file: make the repository importable
 from benchmarks._common import out_dir, progress, table, write_json
 from slackswap_ds.hardware import load_hardware
 from slackswap_ds.plan import lower
-from slackswap_ds.planners import PLANNERS
+from slackswap_ds.planners import PLANNERS, keep_all_result
+from slackswap_ds.planners.refine import REFINE_BUDGET_S
 from slackswap_ds.budget import resolve_budget
 from slackswap_ds.simulator import simulate
 from slackswap_ds.workloads import workload
 
 HARDWARE = "a100-80g-pcie4"
 BUDGET = 0.5
-PLANNER = "slackswap"
-# (name, what, workload, target seconds)
+GREEDY, DEFAULT = "slackswap-greedy", "slackswap"
+# (name, what, workload, planner, target seconds)
 CASES = (
-    ("plan llama-7b", "plan", "llama-7b", 0.050),
-    ("plan llama-70b", "plan", "llama-70b", 0.500),
-    ("simulate llama-70b", "simulate", "llama-70b", 0.200),
+    ("plan llama-7b", "plan", "llama-7b", GREEDY, 0.050),
+    ("plan llama-70b", "plan", "llama-70b", GREEDY, 0.500),
+    ("simulate llama-70b", "simulate", "llama-70b", GREEDY, 0.200),
+    ("plan llama-7b, refined", "plan", "llama-7b", DEFAULT, REFINE_BUDGET_S + 0.050),
+    ("plan llama-70b, refined", "plan", "llama-70b", DEFAULT, REFINE_BUDGET_S + 0.500),
 )
 ROW_KEYS = ("name", "what", "workload", "planner", "budget", "hardware", "repeats", "median_s", "min_s", "max_s",
-            "target_s", "passed", "samples_s")
+            "target_s", "passed", "samples_s", "search", "throughput_pct")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,16 +77,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def time_plan(name: str, hw, budget: float, repeats: int) -> tuple[list[float], object, object]:
-    """Seconds per planning call, each on a fresh profile; also returns the last profile and plan."""
-    fn = PLANNERS[PLANNER]
+def time_plan(name: str, planner: str, hw, budget: float, repeats: int) -> tuple[list[float], object, object]:
+    """Seconds per planning call, each on a fresh profile; also returns the last profile and `Planned`."""
+    fn = PLANNERS[planner]
     samples, profile, plan = [], None, None
     for _ in range(repeats):
         profile = workload(name, hw)
         budget_bytes = resolve_budget(budget, profile)
         gc.collect()  # start each sample without the garbage of the previous one (no debt carried)
         t0 = time.perf_counter()
-        plan = fn(profile, hw, budget_bytes).plan
+        plan = fn(profile, hw, budget_bytes)
         samples.append(time.perf_counter() - t0)
     return samples, profile, plan
 
@@ -103,34 +110,39 @@ def main(argv: list[str] | None = None) -> int:
 
     progress("warm-up (untimed) ...")
     warm = workload("bert-large", hw)
-    wplan = PLANNERS[PLANNER](warm, hw, resolve_budget(args.budget, warm)).plan
+    for planner in (GREEDY, DEFAULT):
+        wplan = PLANNERS[planner](warm, hw, resolve_budget(args.budget, warm)).plan
     simulate(lower(warm, wplan), hw, record=False)
 
-    planned: dict[str, tuple[object, object]] = {}
+    planned: dict[tuple[str, str], tuple[object, object]] = {}
     rows = []
-    for name, what, wl, target in CASES:
+    for name, what, wl, planner, target in CASES:
         progress(f"{name}: {args.repeats} repeats ...")
         if what == "plan":
-            samples, profile, plan = time_plan(wl, hw, args.budget, args.repeats)
-            planned[wl] = (profile, plan)
+            samples, profile, made = time_plan(wl, planner, hw, args.budget, args.repeats)
+            planned[wl, planner] = (profile, made)
         else:
-            if wl not in planned:
-                _, profile, plan = time_plan(wl, hw, args.budget, 1)
-                planned[wl] = (profile, plan)
-            samples = time_simulate(*planned[wl], hw, args.budget, args.repeats)
+            if (wl, planner) not in planned:
+                _, profile, made = time_plan(wl, planner, hw, args.budget, 1)
+                planned[wl, planner] = (profile, made)
+            profile, made = planned[wl, planner]
+            samples = time_simulate(profile, made.plan, hw, args.budget, args.repeats)
+        profile, made = planned[wl, planner]
         med = statistics.median(samples)
-        rows.append(dict(name=name, what=what, workload=wl, planner=PLANNER, budget=args.budget, hardware=hw.name,
+        rows.append(dict(name=name, what=what, workload=wl, planner=planner, budget=args.budget, hardware=hw.name,
                          repeats=args.repeats, median_s=med, min_s=min(samples), max_s=max(samples),
-                         target_s=target, passed=med <= target, samples_s=samples))
+                         target_s=target, passed=med <= target, samples_s=samples, search=made.search,
+                         throughput_pct=100 * keep_all_result(profile, hw).step_s / made.result.step_s))
 
     prof70 = planned.get("llama-70b", (None, None))[0]
     size = f" (llama-70b: {len(prof70.ops)} ops, {len(prof70.activations)} activations)" if prof70 else ""
     print(f"SlackSwap planner speed on {platform.processor() or platform.machine()}, Python "
           f"{platform.python_version()}, {os.cpu_count()} CPUs; {hw.name}, budget {args.budget:g}{size}")
     print(f"median and min over {args.repeats} repeats (time.perf_counter); PASS = median <= target\n")
-    print(table(["measurement", "median ms", "min ms", "max ms", "target ms", "result"],
+    print(table(["measurement", "median ms", "min ms", "max ms", "target ms", "result", "thru %", "found by"],
                 [[r["name"], f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}", f"{1e3 * r['max_s']:.1f}",
-                  f"{1e3 * r['target_s']:.0f}", "PASS" if r["passed"] else "FAIL"] for r in rows]))
+                  f"{1e3 * r['target_s']:.0f}", "PASS" if r["passed"] else "FAIL", f"{r['throughput_pct']:.2f}",
+                  r["search"] or "-"] for r in rows]))
     doc = {
         "machine": {"python": platform.python_version(), "platform": platform.platform(),
                     "processor": platform.processor(), "cpus": os.cpu_count()},

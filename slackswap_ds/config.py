@@ -96,8 +96,9 @@ class SlackSwapConfig(BaseModel):
     )
     planner: str = Field(
         "slackswap",
-        description="Planner that decides keep / swap / recompute: `slackswap` (ours), `optimal` (MILP, "
-        "slow), or a baseline: `keep-all`, `full-recompute`, `megatron-selective`, `offload-all`, "
+        description="Planner that decides keep / swap / recompute: `slackswap` (ours: a greedy search, then the "
+        "exact MILP for at most 2 s, the faster plan kept), `slackswap-greedy` (its greedy search alone, tens of "
+        "ms), `optimal` (the MILP without that time budget), or a baseline: `keep-all`, `full-recompute`, `megatron-selective`, `offload-all`, "
         "`recompute-knapsack`; or what a user would pick instead (planners/anchors.py): `deepcompile-offload`, "
         "`torchtune-offload`, `torchtitan-ilp`, `megatron-offload`, `torchtitan-op-sac`.",
         json_schema_extra=_doc("planner name", "slackswap"),

@@ -210,16 +210,22 @@ def say_agreed_plan(state: ShapeState, agreed: Agreed, coordinator, hw: Hardware
     rank_hw = shares.own.limit(hw)  # this rank's link as shared with its neighbours
     throughput = 100 * state.prediction.throughput
     if channel.rank == 0:
-        log.info("slackswap rank 0: budget %s B of %s B keep-all; %s; planner %s on %s (link share D2H %.1f / "
+        log.info("slackswap rank 0: budget %s B of %s B keep-all; %s; planner %s%s on %s (link share D2H %.1f / "
                  "H2D %.1f GB/s) predicts %.1f%% of ideal throughput%s; plan %s agreed over %s by %d ranks",
                  f"{plan.budget_bytes:,}", f"{state.profile.total_bytes:,}", fate_bytes(plan, state.profile),
-                 plan.planner, hw.name, rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, throughput,
+                 plan.planner, found_by(agreed), hw.name, rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, throughput,
                  measured_on(device_type), plan.digest[:12], coordinator.via, channel.world)
     elif shares.own != shares.lead:  # the same plan; what differs on this rank
         log.info("slackswap rank %d: plan %s with this rank's link share D2H %.1f / H2D %.1f GB/s and pool %s "
                  "(rank 0 differs) predicts %.1f%% of ideal throughput", channel.rank, plan.digest[:12],
                  rank_hw.d2h_bps / 1e9, rank_hw.h2d_bps / 1e9, shares.own.host_pool_bytes, throughput,
                  extra=EVERY_RANK)
+
+
+def found_by(agreed: Agreed) -> str:
+    """` (how the planner found the plan)` where it says (refine.py), else nothing."""
+    search = agreed.planned.search if agreed.planned is not None else ""
+    return f" ({search})" if search else ""
 
 
 def say_stage_plan(state: ShapeState, agreed: Agreed, coordinator, hw: Hardware, holds: int,
@@ -229,10 +235,10 @@ def say_stage_plan(state: ShapeState, agreed: Agreed, coordinator, hw: Hardware,
         return
     plan, profile = agreed.plan, agreed.profile
     log.info("slackswap stage %d (ranks %s): %d micro-batch(es) in flight; budget %s B of %s B keep-all (%d x %s "
-             "B); per micro-batch %s; planner %s on %s predicts %.1f%% of ideal throughput and a peak of %s B%s; "
+             "B); per micro-batch %s; planner %s%s on %s predicts %.1f%% of ideal throughput and a peak of %s B%s; "
              "plan %s agreed over %s by %d ranks", coordinator.stage, coordinator.members, holds,
              f"{plan.budget_bytes:,}", f"{holds * profile.total_bytes:,}", holds, f"{profile.total_bytes:,}",
-             fate_bytes(plan, profile), plan.planner, hw.name, 100 * state.prediction.throughput,
+             fate_bytes(plan, profile), plan.planner, found_by(agreed), hw.name, 100 * state.prediction.throughput,
              f"{state.prediction.peak_bytes:,}", measured_on(device_type), plan.digest[:12], coordinator.via,
              coordinator.group_size(), extra=EVERY_RANK)
 

@@ -155,7 +155,10 @@ def test_planner_speed_quick(tmp_path, capsys):
     assert planner_speed.main(["--quick", "--out", str(tmp_path)]) == 0  # a report: 0 even on FAIL
     doc = json.loads((tmp_path / "planner_speed.json").read_text())
     rows = doc["rows"]
-    assert [r["name"] for r in rows] == ["plan llama-7b", "plan llama-70b", "simulate llama-70b"]
+    assert [r["name"] for r in rows] == ["plan llama-7b", "plan llama-70b", "simulate llama-70b",
+                                         "plan llama-7b, refined", "plan llama-70b, refined"]
+    assert [r["planner"] for r in rows] == ["slackswap-greedy"] * 3 + ["slackswap"] * 2
+    assert rows[3]["search"] and rows[3]["throughput_pct"] >= rows[0]["throughput_pct"]  # never below the greedy
     for r in rows:
         assert set(planner_speed.ROW_KEYS) <= set(r)
         assert r["repeats"] == 2 and len(r["samples_s"]) == 2
@@ -165,9 +168,10 @@ def test_planner_speed_quick(tmp_path, capsys):
     for r in rows:  # each row's line in the table: its numbers, and the verdict its JSON row has
         line = [line for line in out if line.startswith(r["name"] + "  ")]
         assert len(line) == 1, out
-        assert line[0][len(r["name"]):].split() == [
+        assert line[0][len(r["name"]):].split()[:6] == [
             f"{1e3 * r['median_s']:.1f}", f"{1e3 * r['min_s']:.1f}", f"{1e3 * r['max_s']:.1f}",
-            f"{1e3 * r['target_s']:.0f}", "PASS" if r["passed"] else "FAIL"]
+            f"{1e3 * r['target_s']:.0f}", "PASS" if r["passed"] else "FAIL", f"{r['throughput_pct']:.2f}"]
+        assert line[0].rstrip().endswith(r["search"] or "-")
     failed = [r["name"] for r in rows if not r["passed"]]
     assert out[-1].endswith(f"; FAIL: {', '.join(failed)}" if failed else "; all PASS")
 

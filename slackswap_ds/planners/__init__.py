@@ -18,13 +18,14 @@ from .baselines import (
 )
 from .common import Planned, keep_all_result, refusal
 from .optimal import plan_optimal
-from .slackswap import plan_slackswap
+from .slackswap import plan_slackswap, plan_slackswap_greedy
 
 PlannerFn = Callable[..., Planned]
 
 PLANNERS: dict[str, PlannerFn] = {
     "slackswap": plan_slackswap,
     "optimal": plan_optimal,
+    "slackswap-greedy": plan_slackswap_greedy,
     "full-recompute": plan_full_recompute,
     "megatron-selective": plan_megatron_selective,
     "offload-all": plan_offload_all,

@@ -52,6 +52,7 @@ class Planned:
     schedule: Schedule
     result: SimResult
     held_bytes: int = 0
+    search: str = ""  # how the planner found it, where the plan line should say (planners/refine.py)
 
     @property
     def peak_bytes(self) -> int:

@@ -24,13 +24,21 @@ import os
 import re
 import sys
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
 from .common import Planned, RegionModel, release, repair
+
+# scipy.optimize.milp's status when HiGHS stopped at its time (or iteration) limit
+_LIMIT_REACHED = 1
+
+
+class OutOfTime(Exception):
+    """The search's time ran out before HiGHS found any plan (not a proof that none exists)."""
 
 SOLVER_OUTPUT_ENV = "SLACKSWAP_SOLVER_OUTPUT"  # set (to anything but "0"): HiGHS's own lines are shown
 _HIGHS_LINE = re.compile(r"^\s*(Highs|HiGHS|Running HiGHS)")
@@ -88,6 +96,7 @@ class MilpSolve:
     bound_s: float
     model_budget_bytes: int
     message: str
+    stopped_early: bool = False  # at its time limit: the incumbent is not proven within mip_rel_gap
 
     @property
     def gap(self) -> float:
@@ -112,16 +121,26 @@ class MilpResult:
 
 
 def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool, planner: str,
-                      options: MilpOptions = MilpOptions()) -> MilpResult:
-    """The MILP's plan (through the repair loop every planner shares) and every solve it took."""
+                      options: MilpOptions = MilpOptions(), deadline: float | None = None,
+                      version: str = "1") -> MilpResult:
+    """The MILP's plan (through the repair loop every planner shares) and every solve it took.
+    `deadline` (a `time.perf_counter()` value): every solve stops by then, taking HiGHS's best plan
+    so far; OutOfTime if a solve has none (or the time is gone before a repair's solve starts)."""
     solves: list[MilpSolve] = []
 
     def decide(target: int) -> dict[str, Decision]:
-        dec, solve = _solve(model, target, allow_swap, options, planner)
+        limited = options
+        if deadline is not None:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise OutOfTime(f"{planner}: no time left for a solve")
+            limited = replace(options, time_limit_s=min(options.time_limit_s, left))
+        dec, solve = _solve(model, target, allow_swap, limited, planner)
         solves.append(solve)
         return release(model, dec, target)
 
-    planned = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, holds=model.holds)
+    planned = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, version=version,
+                     holds=model.holds)
     return MilpResult(planned, tuple(solves))
 
 
@@ -138,9 +157,12 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
         milp_model.h2d_rows()
         milp_model.host_pool_row()
     res = milp_model.solve(options)
-    bound = getattr(res, "mip_dual_bound", None)
-    solve = MilpSolve(float(res.fun) if res.x is not None else math.nan,
-                      math.nan if bound is None else float(bound), budget, str(res.message))
+    bound, unit = getattr(res, "mip_dual_bound", None), milp_model.second_unit
+    solve = MilpSolve(float(res.fun) * unit if res.x is not None else math.nan,
+                      math.nan if bound is None else float(bound) * unit, budget, str(res.message),
+                      res.status == _LIMIT_REACHED)
+    if res.x is None and res.status == _LIMIT_REACHED:
+        raise OutOfTime(f"{planner}: HiGHS found no plan within {options.time_limit_s:.2f} s")
     if res.x is None:
         raise BudgetInfeasibleError(
             f"{planner}: no plan can keep the estimated peak within {budget:,} B ({res.message})"
@@ -169,6 +191,11 @@ class _MilpModel:
         self.by_region: list[list[int]] = [[] for _ in range(self.nreg)]
         for i in range(len(self.acts)):
             self.by_region[self.region[i]].append(i)
+        # Rows in bytes (up to 1e11) beside costs in seconds (down to 1e-5) are badly scaled for
+        # HiGHS's tolerances: it stalls at the root node. Bytes are counted in units of the largest
+        # tensor and seconds in units of the longest op, so every coefficient is at most 1.
+        self.byte_unit = float(max((a.bytes for a in self.acts), default=1) or 1)
+        self.second_unit = max((o.fwd_s for o in self.profile.ops), default=1.0) or 1.0
 
     def var(self, kind: str, key: object) -> int:
         return self.col.setdefault((kind, key), len(self.col))
@@ -216,8 +243,9 @@ class _MilpModel:
         """M(r) <= budget for every region r.
 
         Sparse form (dense prefix sums make HiGHS slow): continuous D[r] = bytes dropped in regions < r.
-          D[r] = D[r-1] + dropped(r-1);  kept0(<r) - D[r] + bytes(r) + swapped(r-1) <= budget"""
-        model, nreg = self.model, self.nreg
+          D[r] = D[r-1] + dropped(r-1);  kept0(<r) - D[r] + bytes(r) + swapped(r-1) <= budget
+        (in units of the largest tensor, `byte_unit`)"""
+        model, nreg, unit = self.model, self.nreg, self.byte_unit
         D = [self.var("D", r) for r in range(nreg)]
         # Micro-batches in flight (holds > 1) keep their kept bytes: (holds-1) * (total - all dropped),
         # with all dropped = D[nreg-1] + dropped in the last region.
@@ -225,7 +253,7 @@ class _MilpModel:
         if held:
             everything = self.var("D", nreg)
             row_ = {everything: 1.0, D[nreg - 1]: -1.0}
-            for j, v in self.terms(nreg - 1, ("s", "r"), lambda a: -a.bytes).items():
+            for j, v in self.terms(nreg - 1, ("s", "r"), lambda a: -a.bytes / unit).items():
                 row_[j] = v
             self.add(row_, 0, 0)
         total = sum(model.bytes)
@@ -233,16 +261,16 @@ class _MilpModel:
         for r in range(nreg):
             if r:
                 row_ = {D[r]: 1.0, D[r - 1]: -1.0}
-                for j, v in self.terms(r - 1, ("s", "r"), lambda a: -a.bytes).items():
+                for j, v in self.terms(r - 1, ("s", "r"), lambda a: -a.bytes / unit).items():
                     row_[j] = v
                 self.add(row_, 0, 0)
-                mem = {D[r]: -1.0, **self.terms(r - 1, ("s",), lambda a: a.bytes)}
+                mem = {D[r]: -1.0, **self.terms(r - 1, ("s",), lambda a: a.bytes / unit)}
             else:
                 self.add({D[0]: 1.0}, 0, 0)
                 mem = {D[0]: -1.0}
             if held:
                 mem[everything] = mem.get(everything, 0.0) - held
-            self.add(mem, -np.inf, budget - below - model.bytes[r] - held * total)
+            self.add(mem, -np.inf, (budget - below - model.bytes[r] - held * total) / unit)
             below += model.bytes[r]
 
     def d2h_queue_rows(self) -> None:
@@ -255,10 +283,10 @@ class _MilpModel:
         released: list[dict[int, float]] = [{} for _ in range(nops + 1)]
         for a in self.acts:
             if ("s", a.key) in col:
-                released[a.saved_at + 1][col["s", a.key]] = -model.copy_s(a.bytes, model.d2h_bps)
+                released[a.saved_at + 1][col["s", a.key]] = -model.copy_s(a.bytes, model.d2h_bps) / self.second_unit
         Q = [self.var("Q", b) for b in range(nops + 1)]
         for b in range(nops + 1):
-            window = profile.ops[b].fwd_s if b < nops else 0.0
+            window = profile.ops[b].fwd_s / self.second_unit if b < nops else 0.0
             row_ = {Q[b]: 1.0, **released[b]}
             if b:
                 row_[Q[b - 1]] = -1.0
@@ -267,22 +295,23 @@ class _MilpModel:
 
     def h2d_rows(self) -> None:
         """Region r's copy-ins are hidden under region r+1's backward and recompute."""
-        model, profile = self.model, self.profile
+        model, profile, unit = self.model, self.profile, self.second_unit
         for r in range(self.nreg - 1):
-            back = self.terms(r, ("s",), lambda a: model.copy_s(a.bytes, model.h2d_bps))
+            back = self.terms(r, ("s",), lambda a: model.copy_s(a.bytes, model.h2d_bps) / unit)
             if back:
                 for (kind, key), j in self.col.items():
                     if kind == "u" and model.index[profile.ops[key].region] == r + 1:
-                        back[j] = back.get(j, 0.0) - profile.ops[key].fwd_s
-                self.add(back, -np.inf, model.bwd_s[r + 1])
+                        back[j] = back.get(j, 0.0) - profile.ops[key].fwd_s / unit
+                self.add(back, -np.inf, model.bwd_s[r + 1] / unit)
 
     def host_pool_row(self) -> None:
         """Swapped bytes fit the host pool; each micro-batch in flight pins its own."""
         model = self.model
         if model.share.host_pool_bytes is not None:
-            pool = {self.col["s", a.key]: a.bytes for a in self.acts if ("s", a.key) in self.col}
+            unit = self.byte_unit
+            pool = {self.col["s", a.key]: a.bytes / unit for a in self.acts if ("s", a.key) in self.col}
             if pool:
-                self.add(pool, -np.inf, model.share.host_pool_bytes // model.holds)
+                self.add(pool, -np.inf, model.share.host_pool_bytes // model.holds / unit)
 
     def solve(self, options: MilpOptions):
         """HiGHS on the model: minimise the recompute time of the re-run ops (binaries integral in
@@ -296,7 +325,7 @@ class _MilpModel:
         cost = np.zeros(n)
         for (kind, key), j in self.col.items():
             if kind == "u":
-                cost[j] = self.profile.ops[key].fwd_s
+                cost[j] = self.profile.ops[key].fwd_s / self.second_unit
         integrality = np.r_[np.ones(n_binary), np.zeros(n - n_binary)]
         upper = np.r_[np.ones(n_binary), np.full(n - n_binary, np.inf)]
         A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()

@@ -17,6 +17,8 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
 5. Check and improve. Simulate; if the simulator's peak overshoots (copy latency, transients the
    model does not see), tighten the model budget by the overshoot and continue from step 3; if
    prefetches stall compute, try earlier triggers; keep the fastest feasible plan.
+6. Refine (refine.py). The region model's MILP within a wall-clock budget; the faster simulated
+   plan of the two is kept. Steps 1-5 alone are the `slackswap-greedy` planner.
 """
 
 from __future__ import annotations
@@ -31,12 +33,31 @@ from ..plan import Decision
 from ..shares import PRIVATE, Share
 from ..step_profile import StepProfile
 from .common import Planned, RegionModel, keep_all, region_peaks, release, repair
+from .refine import refined
 
-NAME, VERSION = "slackswap", "2"
+NAME, VERSION = "slackswap", "3"
+GREEDY = "slackswap-greedy"
 
 
 def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
                    holds: int = 1) -> Planned:
+    """Steps 1-5, then the exact refinement (refine.py): the region model's optimum where the MILP
+    finds it within REFINE_BUDGET_S, else the better of its best plan so far and steps 1-5's."""
+    try:
+        greedy = _greedy(profile, hw, budget_bytes, share, holds, NAME)
+    except BudgetInfeasibleError:
+        greedy = None
+    return refined(greedy, RegionModel(profile, hw, share, holds), budget_bytes, planner=NAME, version=VERSION)
+
+
+def plan_slackswap_greedy(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
+                          holds: int = 1) -> Planned:
+    """Steps 1-5 alone: tens of milliseconds where the refinement may take seconds."""
+    return _greedy(profile, hw, budget_bytes, share, holds, GREEDY)
+
+
+def _greedy(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, holds: int,
+            planner: str) -> Planned:
     model = RegionModel(profile, hw, share, holds)
     state = _State(model)
 
@@ -45,7 +66,7 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
         state.recompute_until(target)
         return release(model, state.dec, target)
 
-    return repair(profile, hw, budget_bytes, share, NAME, decide, version=VERSION, holds=holds)
+    return repair(profile, hw, budget_bytes, share, planner, decide, version=VERSION, holds=holds)
 
 
 class _State:

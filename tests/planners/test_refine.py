@@ -1,0 +1,80 @@
+"""The default planner's exact refinement (planners/refine.py): never slower than its greedy steps
+alone, the MILP's optimum where the search has the time, the greedy plan (and the plan line saying
+so) where it has not."""
+
+import pytest
+
+from slackswap_ds.budget import resolve_budget
+from slackswap_ds.errors import BudgetInfeasibleError
+from slackswap_ds.planners import get_planner
+from slackswap_ds.planners.common import RegionModel
+from slackswap_ds.planners.milp import MilpOptions, OutOfTime, solve_region_milp
+from slackswap_ds.planners.refine import refined
+from slackswap_ds.workloads import workload
+
+
+@pytest.fixture(scope="module")
+def gpt2(a100):
+    return workload("gpt2-xl", a100, layers=6, micro_batch=2)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.5])
+def test_the_default_plan_is_the_optimum_where_the_search_has_the_time(a100, gpt2, fraction):
+    budget = resolve_budget(fraction, gpt2)
+    greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
+    default = get_planner("slackswap")(gpt2, a100, budget)
+    optimal = get_planner("optimal")(gpt2, a100, budget)
+    assert (default.plan.planner, greedy.plan.planner) == ("slackswap", "slackswap-greedy")
+    assert default.peak_bytes <= budget and default.result.feasible
+    assert "optimal in the region model" in default.search
+    # the same MILP as the optimal planner's (proven within its gap), or the greedy plan where that is faster
+    assert default.result.step_s <= min(greedy.result.step_s, optimal.result.step_s)
+
+
+def test_the_refinement_matters_where_the_greedy_order_is_wrong(a100, gpt2):
+    """q, k and v are re-made by one projection: the greedy prices each alone and swaps them where
+    the optimum swaps fc1's output; the refinement finds the faster plan."""
+    budget = resolve_budget(0.5, gpt2)
+    greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
+    default = get_planner("slackswap")(gpt2, a100, budget)
+    assert default.result.step_s < greedy.result.step_s
+    assert default.search.startswith("exact search (optimal")
+
+
+def test_out_of_time_the_greedy_plan_is_kept_and_said(a100, gpt2):
+    budget = resolve_budget(0.5, gpt2)
+    greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
+    kept = refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap-greedy", version="3", budget_s=0.0)
+    assert kept.plan == greedy.plan and kept.result == greedy.result
+    assert kept.search == "greedy; the exact search is off ($SLACKSWAP_PLAN_SEARCH_S=0)"
+    with pytest.raises(BudgetInfeasibleError, match="the greedy search found no plan .* and the exact search is off"):
+        refined(None, RegionModel(gpt2, a100), budget, planner="slackswap", version="3", budget_s=0.0)
+    late = refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap-greedy", version="3", budget_s=1e-9)
+    assert late.plan == greedy.plan and late.search == "greedy; the exact search found no plan in its 1e-09 s"
+
+
+def test_the_search_budget_comes_from_the_environment_and_a_bad_one_is_named(monkeypatch):
+    from slackswap_ds.errors import PlanError
+    from slackswap_ds.planners.refine import REFINE_BUDGET_S, search_budget_s
+
+    monkeypatch.delenv("SLACKSWAP_PLAN_SEARCH_S", raising=False)
+    assert search_budget_s() == REFINE_BUDGET_S == 2.0
+    monkeypatch.setenv("SLACKSWAP_PLAN_SEARCH_S", " 0.5 ")
+    assert search_budget_s() == 0.5
+    for bad in ("-1", "nan", "inf", "two"):
+        monkeypatch.setenv("SLACKSWAP_PLAN_SEARCH_S", bad)
+        with pytest.raises(PlanError, match=f"SLACKSWAP_PLAN_SEARCH_S='{bad}' is not a number of seconds >= 0"):
+            search_budget_s()
+
+
+def test_a_solve_stopped_before_any_plan_is_out_of_time_not_infeasible(a100):
+    p = workload("llama-7b", a100)
+    budget = resolve_budget(0.2, p)
+    with pytest.raises(OutOfTime):
+        solve_region_milp(RegionModel(p, a100), budget, allow_swap=True, planner="optimal",
+                          options=MilpOptions(time_limit_s=1e-3))
+
+
+def test_a_budget_nothing_meets_is_refused_by_both_searches(a100, gpt2):
+    with pytest.raises(BudgetInfeasibleError, match="^slackswap: even recomputing everything possible|^slackswap: "):
+        get_planner("slackswap")(gpt2, a100, 1)
