@@ -274,6 +274,8 @@ class JobSummary:
             return
         self.over_budget += peak_bytes > plan.budget_bytes
         row = self.shapes.setdefault(shapes, {"steps": 0, "peak_bytes": 0, "swapped_bytes": 0, "recomputed_bytes": 0})
+        if row.get("plan") != plan.digest[:12]:  # the row's peak is held against its plan's budget: a new plan's own
+            row["peak_bytes"] = 0
         row.update(plan=plan.digest[:12], planner=plan.planner, budget_bytes=plan.budget_bytes,
                    keep_all_bytes=keep_all)  # the latest plan of these shapes (a re-plan replaces it)
         row["steps"] += 1

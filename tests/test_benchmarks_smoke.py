@@ -326,3 +326,24 @@ def test_emulated_overlap_quick(tmp_path, capsys):
         assert isinstance(row[key], float) and abs(row[key]) < 60, (key, row[key])
     assert row["peak_bytes"] <= row["budget_bytes"]
     assert "measured blocked" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_anchor_table_quick_says_its_verdicts_from_its_own_rows(tmp_path, capsys):
+    from benchmarks import anchor_table
+
+    assert anchor_table.main(["--quick", "--budgets", "0.5", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "anchor_table.json").read_text())
+    rows = {r["planner"]: r for r in doc["rows"]}
+    assert sorted(rows) == sorted(anchor_table.PLANNERS) and len(doc["rows"]) == len(anchor_table.PLANNERS)
+    assert rows["slackswap"]["search"] and "search" not in rows["slackswap-greedy"]
+    ok = {p: r["throughput_pct"] for p, r in rows.items() if r["feasible"]}
+    best = max(ok[a] for a in anchor_table.ANCHORS if a in ok)
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("bert-large "))
+    fields = line.split()
+    assert fields[:5] == ["bert-large", "0.5", f"{ok['slackswap']:.2f}", f"{ok['slackswap-greedy']:.2f}",
+                          f"{ok['optimal']:.2f}"]
+    assert ("yes" if ok["slackswap"] >= best - 1e-9 else "NO") in fields
+    assert f"{ok['optimal'] - ok['slackswap']:+.2f}" in fields
+    assert "default plans found by: " in out

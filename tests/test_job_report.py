@@ -44,6 +44,21 @@ def test_the_summary_counts_steps_by_kind_and_planned_steps_per_shape():
                     "swapped_bytes_per_step": 8, "recomputed_bytes_per_step": 2}]}
 
 
+def test_a_shapes_row_holds_the_peak_of_its_latest_plan_against_that_plans_budget():
+    """A shape planned again (a derived plan re-derived with its sizes fitted) gets a new plan and
+    budget: the row's peak is of the steps under that plan, never an earlier plan's step held
+    against the new budget (a job within budget at every step read as over it)."""
+    summary = JobSummary()
+    first, again = a_plan(50), a_plan(40)
+    summary.step("planned", 0.2, 48, {}, first, "[(2, 8)]", 60)
+    summary.step("planned", 0.2, 39, {}, again, "[(2, 8)]", 60)
+    summary.step("planned", 0.2, 36, {}, again, "[(2, 8)]", 60)
+    data = summary.data(profiled_steps=1, derived_plans=1)
+    (row,) = data["shapes"]
+    assert (row["plan"], row["budget_bytes"], row["peak_bytes"], row["steps"]) == (again.digest[:12], 40, 39, 3)
+    assert data["planned_steps_over_budget"] == 0 and data["peak_saved_bytes"]["planned"] == 48
+
+
 def test_the_first_planned_step_is_reported_then_every_log_every(caplog):
     report = reports(log_every=2)
     plan, prediction = a_plan(), Prediction(0.9, 0.012, 35)

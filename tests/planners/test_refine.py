@@ -78,3 +78,14 @@ def test_a_solve_stopped_before_any_plan_is_out_of_time_not_infeasible(a100):
 def test_a_budget_nothing_meets_is_refused_by_both_searches(a100, gpt2):
     with pytest.raises(BudgetInfeasibleError, match="^slackswap: even recomputing everything possible|^slackswap: "):
         get_planner("slackswap")(gpt2, a100, 1)
+
+
+def test_a_greedy_plan_as_fast_as_keeping_everything_is_not_searched_further(a100, gpt2):
+    budget = resolve_budget(0.95, gpt2)
+    greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
+    from slackswap_ds.planners import keep_all_result
+
+    assert greedy.result.step_s <= keep_all_result(gpt2, a100).step_s  # (swaps hidden, nothing recomputed)
+    default = get_planner("slackswap")(gpt2, a100, budget)
+    assert default.plan.decision == greedy.plan.decision
+    assert default.search == "greedy, as fast as keeping everything (nothing for the exact search to gain)"

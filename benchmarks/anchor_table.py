@@ -1,0 +1,171 @@
+"""The default planner against every anchor and the optimum: one table per GPU or node, one row per
+(workload, budget).
+
+For each target (the a100-80g-pcie4, h100-pcie5 and gh200 presets alone; the dgx-a100 and dgx-h100
+nodes, every GPU running at once on its share of the switch uplinks), each workload (the three paper
+presets and three Hugging Face configs given as `--model`) and each activation budget 0.2-0.9, every
+planner plans and is simulated as `slackswap simulate` does (`cli/sweep.run_one`):
+
+* slackswap         the default planner: the greedy search, then the exact one for at most 2 s
+                    (planners/refine.py; `SLACKSWAP_PLAN_SEARCH_S` as set when this runs);
+* greedy            `slackswap-greedy`, the greedy search alone;
+* optimal           the region model's MILP with a 20 s limit per solve (`optimal`);
+* the anchors       `deepcompile-offload`, `torchtune-offload`, `torchtitan-ilp`, `megatron-offload`,
+                    `torchtitan-op-sac` (planners/anchors.py); each plans as its system does (the
+                    whole link, blind to a node's shared uplinks) and is judged on the share it runs on.
+
+Throughput is 100 x the keep-all step (no memory limit) / the simulated step (on a node: its slowest
+GPU's); a plan over its budget counts as no plan ("-"). A row's verdicts:
+
+* `>= anchors`  slackswap's throughput is at least every anchor's that keeps the budget;
+* `gap`         optimal minus slackswap, in points (negative where the 2 s search's plan simulates
+                faster than the 20 s one's); the target is <= 0.05.
+
+How each default plan was found (`Planned.search`) is counted under each table. Writes
+anchor_table.json (every planner's row) beside the text.
+
+    PYTHONPATH=. python benchmarks/anchor_table.py             # everything (about half an hour here)
+    PYTHONPATH=. python benchmarks/anchor_table.py --quick     # a100, bert-large, budgets 0.3 and 0.7
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import out_dir, parse_names, progress, table, write_json
+from slackswap_ds.budget import Budget
+from slackswap_ds.cli.sweep import Target, run_one
+from slackswap_ds.hardware import load_hardware, load_node
+from slackswap_ds.model_config import spec_from_hf_config
+from slackswap_ds.planners import keep_all_result
+from slackswap_ds.workloads import Parallel, preset_spec, transformer_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+HARDWARE = ("a100-80g-pcie4", "h100-pcie5", "gh200")
+NODES = ("dgx-a100", "dgx-h100")
+PRESETS = ("bert-large", "gpt2-xl", "llama-7b")
+# (config, seq, micro-batch): three families the presets do not cover (GQA, a large vocabulary, MoE)
+MODELS = (("Mistral-7B-v0.1.json", 4096, 1), ("Qwen2-7B.json", 4096, 1), ("Mixtral-8x7B-v0.1.json", 4096, 1))
+BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+ANCHORS = ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload", "torchtitan-op-sac")
+PLANNERS = ("slackswap", "slackswap-greedy", "optimal", *ANCHORS)
+GAP_TARGET = 0.05  # points of throughput below the optimum (issue 37)
+QUICK = dict(targets=("a100-80g-pcie4",), workloads=("bert-large",), budgets=(0.3, 0.7))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/)")
+    ap.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    ap.add_argument("--targets", default=None, help=f"comma-separated GPUs and nodes (default: all of "
+                                                    f"{', '.join(HARDWARE + NODES)})")
+    ap.add_argument("--workloads", default=None, help="comma-separated presets and config files (default: "
+                                                      f"{', '.join(PRESETS + tuple(m for m, _, _ in MODELS))})")
+    ap.add_argument("--budgets", default=None, help="comma-separated fractions (default: 0.2,...,0.9)")
+    args = ap.parse_args(argv)
+    quick = QUICK if args.quick else {}
+    args.targets = parse_names(args.targets) if args.targets else list(quick.get("targets", HARDWARE + NODES))
+    args.workloads = (parse_names(args.workloads) if args.workloads
+                      else list(quick.get("workloads", PRESETS + tuple(m for m, _, _ in MODELS))))
+    args.budgets = ([float(b) for b in args.budgets.split(",")] if args.budgets
+                    else list(quick.get("budgets", BUDGETS)))
+    return args
+
+
+def target(name: str) -> Target:
+    if name in NODES:
+        node = load_node(name)
+        return Target(node.gpu, node)
+    return Target(load_hardware(name), None)
+
+
+def profile_of(name: str, hw):
+    """A preset, or a config of tests/data/hf_configs at its MODELS shape."""
+    shapes = {m: (seq, mb) for m, seq, mb in MODELS}
+    if name in shapes:
+        seq, mb = shapes[name]
+        spec = spec_from_hf_config(ROOT / "tests" / "data" / "hf_configs" / name, seq=seq, micro_batch=mb)
+        return transformer_profile(spec, hw, Parallel())
+    return transformer_profile(preset_spec(name), hw, Parallel())
+
+
+def cell(rows: dict[str, dict], planner: str) -> float | None:
+    r = rows.get(planner)
+    return r["throughput_pct"] if r and r.get("feasible") else None
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = out_dir(args.out)
+    every, text, start = [], [], time.perf_counter()
+    for tname in args.targets:
+        tgt = target(tname)
+        lines, found = [], collections.Counter()
+        below_anchor, over_gap = [], []
+        for wname in args.workloads:
+            profile = profile_of(wname, tgt.hw)
+            ideal_s = keep_all_result(profile, tgt.hw).step_s
+            for fraction in args.budgets:
+                budget_bytes = Budget.parse(fraction).of(profile.total_bytes)
+                rows = {}
+                for planner in PLANNERS:
+                    t0 = time.perf_counter()
+                    fields, _, _ = run_one(profile, tgt, planner, budget_bytes, ideal_s)
+                    rows[planner] = dict(target=tname, workload=wname, budget=fraction, planner=planner,
+                                         plan_s=time.perf_counter() - t0, **fields)
+                    every.append(rows[planner])
+                found[_kind(rows["slackswap"].get("search", "no plan"))] += 1
+                ours, best = cell(rows, "slackswap"), None
+                anchors = [(cell(rows, a), a) for a in ANCHORS if cell(rows, a) is not None]
+                if anchors:
+                    best = max(anchors)
+                opt = cell(rows, "optimal")
+                beats = ours is not None and (best is None or ours >= best[0] - 1e-9)
+                gap = None if ours is None or opt is None else opt - ours
+                if not beats:
+                    below_anchor.append(f"{wname} {fraction:g}")
+                if gap is not None and gap > GAP_TARGET:
+                    over_gap.append(f"{wname} {fraction:g} ({gap:.2f})")
+                lines.append([wname, f"{fraction:g}", pct(ours), pct(cell(rows, "slackswap-greedy")), pct(opt),
+                              "-" if best is None else f"{best[0]:.2f} {best[1]}",
+                              "yes" if beats else "NO", "-" if gap is None else f"{gap:+.2f}",
+                              f"{rows['slackswap']['plan_s']:.2f}"])
+                progress(f"{tname} {wname} {fraction:g}: slackswap {pct(ours)}, best anchor "
+                         f"{'-' if best is None else pct(best[0])}, optimal {pct(opt)}")
+        where = tgt.where
+        text.append(f"\n{where}: throughput, % of the keep-all ideal (- = no plan within the budget)")
+        text.append(table(["workload", "budget", "slackswap", "greedy", "optimal", "best anchor", ">= anchors",
+                           "gap", "plan s"], lines))
+        text.append(f"slackswap below an anchor: {', '.join(below_anchor) or 'nowhere'}; more than {GAP_TARGET} "
+                    f"points below the optimum: {', '.join(over_gap) or 'nowhere'}")
+        text.append("default plans found by: " + ", ".join(f"{k} {v}" for k, v in sorted(found.items())))
+    print("\n".join(text))
+    path = out / "anchor_table.json"
+    write_json(path, {"planners": PLANNERS, "gap_target": GAP_TARGET, "rows": every})
+    print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+def _kind(search: str) -> str:
+    for prefix, kind in (("exact search (optimal", "exact, proven"), ("exact search", "exact, time out"),
+                         ("greedy, as fast as keeping", "greedy = ideal"), ("greedy, as fast", "greedy = exact"), ("greedy, faster", "greedy, exact timed out"),
+                         ("greedy;", "greedy, no exact plan")):
+        if search.startswith(prefix):
+            return kind
+    return search
+
+
+if __name__ == "__main__":
+    sys.exit(main())
