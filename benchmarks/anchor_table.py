@@ -151,9 +151,10 @@ def main(argv: list[str] | None = None) -> int:
         text.append(f"slackswap below an anchor: {', '.join(below_anchor) or 'nowhere'}; more than {GAP_TARGET} "
                     f"points below the optimum: {', '.join(over_gap) or 'nowhere'}")
         text.append("default plans found by: " + ", ".join(f"{k} {v}" for k, v in sorted(found.items())))
-    print("\n".join(text))
-    path = out / "anchor_table.json"
-    write_json(path, {"planners": PLANNERS, "gap_target": GAP_TARGET, "rows": every})
+        print("\n".join(text), flush=True)  # each target's table as soon as it is done
+        text.clear()
+        path = out / "anchor_table.json"
+        write_json(path, {"planners": PLANNERS, "gap_target": GAP_TARGET, "rows": every})
     print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
     return 0
 

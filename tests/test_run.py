@@ -39,7 +39,7 @@ def launch(tmp_path, launcher: str, script: str, config: dict, enabled: bool, n:
         cmd = torchrun_line(2, "-m", "slackswap_ds.run", *target)
     else:
         cmd = accelerate_line(2, cfg, "-m", "slackswap_ds.run", *target)
-    out = run_launch(cmd, timeout=900)
+    out = run_launch(cmd, env=cpu_env(SLACKSWAP_PLAN_SEARCH_S="10"), timeout=900)  # the default planner whole
     return json.loads(losses.read_text()), out
 
 
@@ -80,6 +80,7 @@ def assert_planned_within_budget(out: str) -> int:
     the warm-up step in the shelter, the profiled one (on host too), then each planned step's report
     (log_every 1: steps 3 to 6). Returns the budget."""
     assert plans_logged(out) == ["0"] and "agreed over torch.distributed by 2 ranks" in out
+    assert re.search(r"planner slackswap \((exact search|greedy)", out)  # how the plan was found, said
     budget = int(re.search(r"slackswap rank 0: budget ([\d,]+) B", out).group(1).replace(",", ""))
     warm_up = int(re.search(r"warm-up step\(s\) done in the shelter: peak of saved activations on the device "
                             r"([\d,]+) B", out).group(1).replace(",", ""))
