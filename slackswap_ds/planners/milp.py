@@ -41,6 +41,7 @@ _LIMIT_REACHED = 1
 class OutOfTime(Exception):
     """The search's time ran out before HiGHS found any plan (not a proof that none exists)."""
 
+
 SOLVER_OUTPUT_ENV = "SLACKSWAP_SOLVER_OUTPUT"  # set (to anything but "0"): HiGHS's own lines are shown
 _HIGHS_LINE = re.compile(r"^\s*(Highs|HiGHS|Running HiGHS)")
 
@@ -320,8 +321,8 @@ class _MilpModel:
     def solve(self, options: MilpOptions):
         """HiGHS on the model: minimise the recompute time of the re-run ops (binaries integral in
         [0, 1], continuous variables in [0, inf))."""
-        # scipy only here: half a second of import that every rank and CLI run that never solves a
-        # MILP (everything but the optimal planner) would pay
+        # scipy only here: half a second of import that a process which never solves a MILP does not
+        # pay (planners without one; the default planner when its search is off or nothing is to gain)
         from scipy.optimize import Bounds, LinearConstraint, milp
         from scipy.sparse import coo_matrix
 

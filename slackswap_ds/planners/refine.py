@@ -53,21 +53,20 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
     ideal_s = keep_all_result(model.profile, model.hw).step_s
     if greedy is not None and greedy.result.step_s <= ideal_s * (1 + 1e-12):
         return replace(greedy, search="greedy, as fast as keeping everything (nothing for the exact search to gain)")
+    exact = None
     if budget_s > 0:
         from scipy.optimize import milp  # noqa: F401  (its import, half a second once, is not search time)
     start = time.perf_counter()
-    try:
-        if budget_s <= 0:
-            raise OutOfTime(f"{planner}: the exact search is off")
+    if budget_s > 0:
         options = MilpOptions(time_limit_s=budget_s, mip_abs_gap_s=STEP_GAP * ideal_s)
-        exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
-                                  options=options, deadline=start + budget_s)
-    except OutOfTime:
-        exact = None
-    except BudgetInfeasibleError:
-        if greedy is None:
-            raise
-        exact = None
+        try:
+            exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
+                                      options=options, deadline=start + budget_s)
+        except OutOfTime:
+            pass
+        except BudgetInfeasibleError:
+            if greedy is None:
+                raise
     took = time.perf_counter() - start
     if exact is None:
         none = f"is off (${BUDGET_ENV}=0)" if budget_s <= 0 else f"found no plan in its {budget_s:g} s"

@@ -43,30 +43,30 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
                    holds: int = 1) -> Planned:
     """Steps 1-5, then the exact refinement (refine.py): the region model's optimum where the MILP
     finds it within REFINE_BUDGET_S, else the better of its best plan so far and steps 1-5's."""
+    model = RegionModel(profile, hw, share, holds)
     try:
-        greedy = _greedy(profile, hw, budget_bytes, share, holds, NAME)
+        greedy = _greedy(model, budget_bytes, NAME)
     except BudgetInfeasibleError:
         greedy = None
-    return refined(greedy, RegionModel(profile, hw, share, holds), budget_bytes, planner=NAME, version=VERSION)
+    return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION)
 
 
 def plan_slackswap_greedy(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
                           holds: int = 1) -> Planned:
     """Steps 1-5 alone: tens of milliseconds where the refinement may take seconds."""
-    return _greedy(profile, hw, budget_bytes, share, holds, GREEDY)
+    return _greedy(RegionModel(profile, hw, share, holds), budget_bytes, GREEDY)
 
 
-def _greedy(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, holds: int,
-            planner: str) -> Planned:
-    model = RegionModel(profile, hw, share, holds)
-    state = _State(model)
+def _greedy(model: RegionModel, budget_bytes: int, planner: str) -> Planned:
+    state = _State(model)  # (the model itself is read, never changed: the refinement reads it after)
 
     def decide(target: int) -> dict[str, Decision]:
         state.swap_within_slack(target)
         state.recompute_until(target)
         return release(model, state.dec, target)
 
-    return repair(profile, hw, budget_bytes, share, planner, decide, version=VERSION, holds=holds)
+    return repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, version=VERSION,
+                  holds=model.holds)
 
 
 class _State:
