@@ -178,10 +178,10 @@ def say_own_plan(who: str, shapes: str, state: ShapeState, how: str, holds: int 
     r`, or `stage s rank r` with `holds` micro-batches in flight)."""
     plan = state.plan
     own = "" if holds is None else f" of this rank's own ({holds} micro-batch(es) in flight),"
-    log.log(level, "slackswap %s: input shapes %s: plan %s%s %s; budget %s B of %s B keep-all; %s; predicts %.1f%% of "
-             "ideal throughput%s", who, shapes, plan.digest[:12], own, how, f"{plan.budget_bytes:,}",
-             f"{(holds or 1) * state.profile.total_bytes:,}", fate_bytes(plan, state.profile),
-             100 * state.prediction.throughput, measured_on(device_type), extra=EVERY_RANK)
+    log.log(level, "slackswap %s: input shapes %s: plan %s%s %s; budget %s B of %s B keep-all; %s; planner %s%s "
+             "predicts %.1f%% of ideal throughput%s", who, shapes, plan.digest[:12], own, how, f"{plan.budget_bytes:,}",
+             f"{(holds or 1) * state.profile.total_bytes:,}", fate_bytes(plan, state.profile), plan.planner,
+             in_parens(state.search), 100 * state.prediction.throughput, measured_on(device_type), extra=EVERY_RANK)
 
 
 def say_replaced_checkpointing(cfg: SlackSwapConfig, profile_bytes: int, budget: int, held: int) -> None:
@@ -224,7 +224,10 @@ def say_agreed_plan(state: ShapeState, agreed: Agreed, coordinator, hw: Hardware
 
 def found_by(agreed: Agreed) -> str:
     """` (how the planner found the plan)` where it says (refine.py), else nothing."""
-    search = agreed.planned.search if agreed.planned is not None else ""
+    return in_parens(agreed.planned.search if agreed.planned is not None else "")
+
+
+def in_parens(search: str) -> str:
     return f" ({search})" if search else ""
 
 

@@ -251,6 +251,7 @@ class PlanMaker:
         else:  # another share than the plan's, a plan received or read from a file, or a recorded trace
             sim = simulate(schedule, shares.own.limit(self.hw), budget_bytes=plan.budget_bytes - held, record=record)
         state.profile, state.plan = profile, plan
+        state.search = planned.search if planned is not None else ""
         state.executor = executor_for(self.module, plan, profile, schedule=schedule, pool=self.pool,
                                       replan=self.replan, verify_every=self.cfg.verify_every, said=self.said)
         state.prediction = self._prediction(profile, sim, held)

@@ -66,6 +66,7 @@ class ShapeState:
 
     profile: StepProfile | None = None
     plan: Plan | None = None
+    search: str = ""  # how its planner found the plan (`Planned.search`; empty where the planner does not say)
     executor: Executor | None = None
     prediction: Prediction = field(default_factory=Prediction)
     derived_from: ShapeKey | None = None  # the shapes whose measured profile its profile was derived from

@@ -1,4 +1,4 @@
-"""MILP over the region model (see common.py), solved with HiGHS through scipy.optimize.milp.
+"""MILP over the region model (see common.py), solved with HiGHS (highspy, the HiGHS team's binding).
 
 Variables, all binary: s[a] (swap a), r[a] (recompute a), u[o] (producer op o re-runs).
     minimise   sum_o u[o] * fwd_s(o)                                  (recompute time)
@@ -14,6 +14,10 @@ Every swap is hidden by construction, so the objective is the model's whole over
 peak does not need (free in the objective) are kept again (`common.release`). After the solve, the
 plan is simulated; if the simulator's peak overshoots (transients the model does not see), the
 model budget is lowered by the overshoot and the MILP solved again (`common.repair`).
+
+A solve may start from a plan (`start`: the greedy planner's, in the default planner): HiGHS takes
+its decisions as the first incumbent, so a solve stopped by its time limit is never worse than it,
+and the branch and bound prunes against it from the root on (scipy's `milp` takes no start).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import re
 import sys
 import tempfile
 import time
-import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -34,23 +38,19 @@ from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
 from .common import Planned, RegionModel, release, repair
 
-# scipy.optimize.milp's status when HiGHS stopped at its time (or iteration) limit
-_LIMIT_REACHED = 1
-
-
 class OutOfTime(Exception):
     """The search's time ran out before HiGHS found any plan (not a proof that none exists)."""
 
 
 SOLVER_OUTPUT_ENV = "SLACKSWAP_SOLVER_OUTPUT"  # set (to anything but "0"): HiGHS's own lines are shown
-_HIGHS_LINE = re.compile(r"^\s*(Highs|HiGHS|Running HiGHS)")
+_HIGHS_LINE = re.compile(r"^\s*(Highs|HiGHS|Running HiGHS|Includes third-party software)")
 
 
 @contextlib.contextmanager
 def solver_output_dropped():
-    """HiGHS writes lines of its own to the process's stdout and stderr from C++ whatever `disp`
-    says ("HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();", 97 of them
-    in one `slackswap simulate`). Both file descriptors go to a temporary file during the solve;
+    """HiGHS writes lines of its own to the process's stdout and stderr from C++ whatever its
+    `output_flag` says (its banner when the first solver of a process is made; debug lines such as
+    "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();" in some builds). Both file descriptors go to a temporary file during the solve;
     afterwards HiGHS's lines are dropped and anything else (another thread's output) is written to
     stderr. `SLACKSWAP_SOLVER_OUTPUT=1` leaves them alone."""
     if os.environ.get(SOLVER_OUTPUT_ENV, "0") != "0":
@@ -89,6 +89,7 @@ class MilpOptions:
     # HiGHS also stops once its plan is proven within this many seconds of recompute of the optimum
     # (0: no such stop): 1% of 1 ms of recompute in a 100 ms step is not worth proving away
     mip_abs_gap_s: float = 0.0
+    more: tuple[tuple[str, object], ...] = ()  # further HiGHS options by name, e.g. (("mip_max_improving_sols", 1),)
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,11 @@ class MilpResult:
 
 def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool, planner: str,
                       options: MilpOptions = MilpOptions(), deadline: float | None = None,
-                      version: str = "1") -> MilpResult:
+                      version: str = "1", start: Mapping[str, Decision] | None = None) -> MilpResult:
     """The MILP's plan (through the repair loop every planner shares) and every solve it took.
     `deadline` (a `time.perf_counter()` value): every solve stops by then, taking HiGHS's best plan
-    so far; OutOfTime if a solve has none (or the time is gone before a repair's solve starts)."""
+    so far; OutOfTime if a solve has none (or the time is gone before a repair's solve starts).
+    `start`: a plan's decisions every solve begins from (ignored by HiGHS where they break a row)."""
     solves: list[MilpSolve] = []
 
     def decide(target: int) -> dict[str, Decision]:
@@ -140,7 +142,7 @@ def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool
             if left <= 0:
                 raise OutOfTime(f"{planner}: no time left for a solve")
             limited = replace(options, time_limit_s=min(options.time_limit_s, left))
-        dec, solve = _solve(model, target, allow_swap, limited, planner)
+        dec, solve = _solve(model, target, allow_swap, limited, planner, start)
         solves.append(solve)
         return release(model, dec, target)
 
@@ -149,8 +151,8 @@ def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool
     return MilpResult(planned, tuple(solves))
 
 
-def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptions,
-           planner: str) -> tuple[dict[str, Decision], MilpSolve]:
+def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptions, planner: str,
+           start: Mapping[str, Decision] | None) -> tuple[dict[str, Decision], MilpSolve]:
     # The families are added in this order on purpose: columns and rows reach HiGHS in the order
     # they are created, and a different order may tie-break to a different optimum.
     milp_model = _MilpModel(model, allow_swap)
@@ -161,18 +163,29 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
         milp_model.d2h_queue_rows()
         milp_model.h2d_rows()
         milp_model.host_pool_row()
-    res = milp_model.solve(options)
-    bound, unit = getattr(res, "mip_dual_bound", None), milp_model.second_unit
-    solve = MilpSolve(float(res.fun) * unit if res.x is not None else math.nan,
-                      math.nan if bound is None else float(bound) * unit, budget, str(res.message),
-                      res.status == _LIMIT_REACHED)
-    if res.x is None and res.status == _LIMIT_REACHED:
+    found = milp_model.solve(options, start)
+    unit = milp_model.second_unit
+    solve = MilpSolve(found.objective * unit if found.x is not None else math.nan, found.bound * unit, budget,
+                      found.status, found.time_limit)
+    if found.x is None and found.time_limit:
         raise OutOfTime(f"{planner}: HiGHS found no plan within {options.time_limit_s:.2f} s")
-    if res.x is None:
+    if found.x is None:
         raise BudgetInfeasibleError(
-            f"{planner}: no plan can keep the estimated peak within {budget:,} B ({res.message})"
+            f"{planner}: no plan can keep the estimated peak within {budget:,} B ({found.status})"
         )
-    return milp_model.decode(res.x), solve
+    return milp_model.decode(found.x), solve
+
+
+@dataclass(frozen=True)
+class _Found:
+    """What HiGHS returned: its incumbent (None without one), its objective and proven bound (in
+    the model's units), its model status in words, whether its time limit stopped it."""
+
+    x: np.ndarray | None
+    objective: float
+    bound: float
+    status: str
+    time_limit: bool
 
 
 class _MilpModel:
@@ -318,29 +331,60 @@ class _MilpModel:
             if pool:
                 self.add(pool, -np.inf, model.share.host_pool_bytes // model.holds / unit)
 
-    def solve(self, options: MilpOptions):
+    def solve(self, options: MilpOptions, start: Mapping[str, Decision] | None = None) -> _Found:
         """HiGHS on the model: minimise the recompute time of the re-run ops (binaries integral in
-        [0, 1], continuous variables in [0, inf))."""
-        # scipy only here: half a second of import that a process which never solves a MILP does not
-        # pay (planners without one; the default planner when its search is off or nothing is to gain)
-        from scipy.optimize import Bounds, LinearConstraint, milp
-        from scipy.sparse import coo_matrix
+        [0, 1], continuous variables in [0, inf)), from `start`'s decisions where given."""
+        import highspy  # here: a process that never solves a MILP does not pay its import
 
-        n, n_binary = len(self.col), self.n_binary
+        n, n_binary, inf = len(self.col), self.n_binary, highspy.kHighsInf
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = n, len(self.lo)
         cost = np.zeros(n)
         for (kind, key), j in self.col.items():
             if kind == "u":
                 cost[j] = self.profile.ops[key].fwd_s / self.second_unit
-        integrality = np.r_[np.ones(n_binary), np.zeros(n - n_binary)]
-        upper = np.r_[np.ones(n_binary), np.full(n - n_binary, np.inf)]
-        A = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lo), n)).tocsr()
-        highs = {"time_limit": options.time_limit_s, "disp": False, "mip_rel_gap": options.mip_rel_gap}
-        if options.mip_abs_gap_s > 0:  # a HiGHS option scipy passes on verbatim, with a warning said here instead
-            highs["mip_abs_gap"] = options.mip_abs_gap_s / self.second_unit
-        with solver_output_dropped(), warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Unrecognized options detected", RuntimeWarning)
-            return milp(cost, constraints=LinearConstraint(A, self.lo, self.hi), integrality=integrality,
-                        bounds=Bounds(0, upper), options=highs)
+        lp.col_cost_ = cost
+        lp.col_lower_ = np.zeros(n)
+        lp.col_upper_ = np.r_[np.ones(n_binary), np.full(n - n_binary, inf)]
+        lp.row_lower_ = np.maximum(np.asarray(self.lo, dtype=float), -inf)
+        lp.row_upper_ = np.minimum(np.asarray(self.hi, dtype=float), inf)
+        # rows are added in order and each names a column once: the entries are already row-wise
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.searchsorted(self.rows, np.arange(len(self.lo) + 1)).astype(np.int32)
+        lp.a_matrix_.index_ = np.asarray(self.cols, dtype=np.int32)
+        lp.a_matrix_.value_ = np.asarray(self.vals, dtype=float)
+        lp.integrality_ = [highspy.HighsVarType.kInteger] * n_binary + [highspy.HighsVarType.kContinuous] * (n - n_binary)
+        with solver_output_dropped():
+            h = highspy.Highs()
+            settings = {"output_flag": False, "threads": 1, "time_limit": float(options.time_limit_s),
+                        "mip_rel_gap": float(options.mip_rel_gap)}
+            if options.mip_abs_gap_s > 0:  # else HiGHS's own default
+                settings["mip_abs_gap"] = float(options.mip_abs_gap_s / self.second_unit)
+            for option, value in (*settings.items(), *options.more):
+                if h.setOptionValue(option, value) != highspy.HighsStatus.kOk:
+                    raise ValueError(f"HiGHS refused its option {option}={value!r}")
+            h.passModel(lp)
+            if start is not None:  # the binaries only: HiGHS solves for the continuous rest
+                h.setSolution(n_binary, np.arange(n_binary, dtype=np.int32), self.binaries(start))
+            h.run()
+        info, status = h.getInfo(), h.getModelStatus()
+        has_plan = info.primal_solution_status == 2  # kSolutionStatusFeasible
+        return _Found(np.asarray(h.getSolution().col_value) if has_plan else None,
+                      float(info.objective_function_value), float(info.mip_dual_bound),
+                      h.modelStatusToString(status), status == highspy.HighsModelStatus.kTimeLimit)
+
+    def binaries(self, decisions: Mapping[str, Decision]) -> np.ndarray:
+        """The binary columns' values for a plan's decisions (a swap the model cannot make is 0)."""
+        x = np.zeros(self.n_binary)
+        for a in self.acts:
+            fate = decisions.get(a.key, Decision.KEEP)
+            if fate is Decision.SWAP and ("s", a.key) in self.col:
+                x[self.col["s", a.key]] = 1
+            elif fate is Decision.RECOMPUTE and ("r", a.key) in self.col:
+                x[self.col["r", a.key]] = 1
+                for p in a.producers:
+                    x[self.col["u", p]] = 1
+        return x
 
     def decode(self, solution) -> dict[str, Decision]:
         x = np.round(solution).astype(int)

@@ -24,8 +24,8 @@ from .milp import MilpOptions, OutOfTime, solve_region_milp
 
 REFINE_BUDGET_S = 2.0  # wall-clock seconds of exact search per plan (a job plans once per input shape)
 # how close to the region model's optimum a plan must be proven, relative to the step it predicts
-# (the keep-all step plus recompute): 3e-4 is 0.03 points of throughput
-STEP_GAP = 3e-4
+# (the keep-all step plus recompute): 1e-4 is 0.01 points of throughput
+STEP_GAP = 1e-4
 BUDGET_ENV = "SLACKSWAP_PLAN_SEARCH_S"  # another budget in seconds (0: the greedy plan alone)
 
 
@@ -55,13 +55,14 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
         return replace(greedy, search="greedy, as fast as keeping everything (nothing for the exact search to gain)")
     exact = None
     if budget_s > 0:
-        from scipy.optimize import milp  # noqa: F401  (its import, half a second once, is not search time)
+        import highspy  # noqa: F401  (its import, once a process, is not search time)
     start = time.perf_counter()
     if budget_s > 0:
         options = MilpOptions(time_limit_s=budget_s, mip_abs_gap_s=STEP_GAP * ideal_s)
         try:
             exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
-                                      options=options, deadline=start + budget_s)
+                                      options=options, deadline=start + budget_s,
+                                      start=None if greedy is None else greedy.plan.decision)
         except OutOfTime:
             pass
         except BudgetInfeasibleError:
