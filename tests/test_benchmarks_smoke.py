@@ -347,3 +347,23 @@ def test_anchor_table_quick_says_its_verdicts_from_its_own_rows(tmp_path, capsys
     assert ("yes" if ok["slackswap"] >= best - 1e-9 else "NO") in fields
     assert f"{ok['optimal'] - ok['slackswap']:+.2f}" in fields
     assert "default plans found by: " in out
+
+
+@pytest.mark.slow
+def test_pack_bound_quick_packs_only_the_masks_and_orders_its_columns(tmp_path, capsys):
+    """Packing is free in one column and costs a kernel each way in the other: the free one can only
+    move the optimum up; the masks shrink to 1/8 (rounded up) and nothing else changes."""
+    from benchmarks import pack_bound
+    from slackswap_ds.hardware import load_hardware
+    from slackswap_ds.workloads import workload
+
+    hw = load_hardware("a100-80g-pcie4")
+    profile = workload("bert-large", hw, layers=2)
+    free, paid = pack_bound.packed(profile, hw, False), pack_bound.packed(profile, hw, True)
+    for a, f in zip(profile.activations, free.activations):
+        assert f.bytes == (-(-a.bytes // 8) if a.key.endswith("dropout.mask") else a.bytes)
+    assert free.ops == profile.ops and sum(o.fwd_s for o in paid.ops) > sum(o.fwd_s for o in profile.ops)
+    assert pack_bound.main(["--quick", "--out", str(tmp_path)]) == 0
+    (row,) = json.loads((tmp_path / "pack_bound.json").read_text())
+    assert row["fused"] >= row["bound"] - 1e-9 and row["paper"] == 96.3
+    assert f"{row['bound']:.2f}" in capsys.readouterr().out
