@@ -17,11 +17,13 @@ planner plans and is simulated as `slackswap simulate` does (`cli/sweep.run_one`
 Throughput is 100 x the keep-all step (no memory limit) / the simulated step (on a node: its slowest
 GPU's); a plan over its budget counts as no plan ("-"). A row's verdicts:
 
-* `>= anchors`  slackswap's throughput is at least every anchor's that keeps the budget;
+* `>= anchors`  slackswap's throughput is at least every anchor's that keeps the budget
+                (listed apart where below by more than ANCHOR_TOLERANCE: two plans of the one MILP
+                `torchtitan-ilp` and the exact search solve may differ by their solvers' gaps);
 * `gap`         optimal minus slackswap, in points (negative where the 2 s search's plan simulates
                 faster than the 20 s one's); the target is <= 0.05.
 
-How each default plan was found (`Planned.search`) is counted under each table. Writes
+How each default plan was found (`Planned.found`, words of planners/refine.FOUND) is counted under each table. Writes
 anchor_table.json (every planner's row) beside the text.
 
     PYTHONPATH=. python benchmarks/anchor_table.py             # everything (about half an hour here)
@@ -57,6 +59,10 @@ BUDGETS = (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 ANCHORS = ("deepcompile-offload", "torchtune-offload", "torchtitan-ilp", "megatron-offload", "torchtitan-op-sac")
 PLANNERS = ("slackswap", "slackswap-greedy", "optimal", *ANCHORS)
 GAP_TARGET = 0.05  # points of throughput below the optimum (issue 37)
+# The `torchtitan-ilp` anchor alone on a GPU is the region model's MILP run for up to 20 s, the default's exact
+# search the same MILP for at most 2 s, each stopping within a gap of its own: two plans of one MILP may differ
+# by that much either way. Cells below an anchor by more than this are listed apart (points of throughput).
+ANCHOR_TOLERANCE = 0.01
 QUICK = dict(targets=("a100-80g-pcie4",), workloads=("bert-large",), budgets=(0.3, 0.7))
 
 
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     for tname in args.targets:
         tgt = target(tname)
         lines, found = [], collections.Counter()
-        below_anchor, over_gap = [], []
+        below_anchor, over_gap, beyond_tolerance = [], [], []
         for wname in args.workloads:
             profile = profile_of(wname, tgt.hw)
             ideal_s = keep_all_result(profile, tgt.hw).step_s
@@ -126,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows[planner] = dict(target=tname, workload=wname, budget=fraction, planner=planner,
                                          plan_s=time.perf_counter() - t0, **fields)
                     every.append(rows[planner])
-                found[_kind(rows["slackswap"].get("search", "no plan"))] += 1
+                found[rows["slackswap"].get("found") or "no plan"] += 1
                 ours, best = cell(rows, "slackswap"), None
                 anchors = [(cell(rows, a), a) for a in ANCHORS if cell(rows, a) is not None]
                 if anchors:
@@ -136,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 gap = None if ours is None or opt is None else opt - ours
                 if not beats:
                     below_anchor.append(f"{wname} {fraction:g}")
+                    if ours is None or best[0] - ours > ANCHOR_TOLERANCE:
+                        beyond_tolerance.append(f"{wname} {fraction:g}" + ("" if ours is None else f" ({best[0] - ours:.2f})"))
                 if gap is not None and gap > GAP_TARGET:
                     over_gap.append(f"{wname} {fraction:g} ({gap:.2f})")
                 lines.append([wname, f"{fraction:g}", pct(ours), pct(cell(rows, "slackswap-greedy")), pct(opt),
@@ -148,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         text.append(f"\n{where}: throughput, % of the keep-all ideal (- = no plan within the budget)")
         text.append(table(["workload", "budget", "slackswap", "greedy", "optimal", "best anchor", ">= anchors",
                            "gap", "plan s"], lines))
-        text.append(f"slackswap below an anchor: {', '.join(below_anchor) or 'nowhere'}; more than {GAP_TARGET} "
+        text.append(f"slackswap below an anchor: {', '.join(below_anchor) or 'nowhere'}; by more than "
+                    f"{ANCHOR_TOLERANCE} points: {', '.join(beyond_tolerance) or 'nowhere'}; more than {GAP_TARGET} "
                     f"points below the optimum: {', '.join(over_gap) or 'nowhere'}")
         text.append("default plans found by: " + ", ".join(f"{k} {v}" for k, v in sorted(found.items())))
         print("\n".join(text), flush=True)  # each target's table as soon as it is done
@@ -157,15 +166,6 @@ def main(argv: list[str] | None = None) -> int:
         write_json(path, {"planners": PLANNERS, "gap_target": GAP_TARGET, "rows": every})
     print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
     return 0
-
-
-def _kind(search: str) -> str:
-    for prefix, kind in (("exact search (optimal", "exact, proven"), ("exact search", "exact, time out"),
-                         ("greedy, as fast as keeping", "greedy = ideal"), ("greedy, as fast", "greedy = exact"), ("greedy, faster", "greedy, exact timed out"),
-                         ("greedy;", "greedy, no exact plan")):
-        if search.startswith(prefix):
-            return kind
-    return search
 
 
 if __name__ == "__main__":

@@ -325,7 +325,7 @@ class SlackSwapConfig(BaseModel):
     @field_validator("planner")
     @classmethod
     def _planner(cls, v: str) -> str:
-        from .planners import PLANNERS  # lazy: numpy / scipy, no torch
+        from .planners import PLANNERS  # lazy: numpy (and highspy when a MILP solves), no torch
 
         if v not in PLANNERS:
             names = list(PLANNERS)

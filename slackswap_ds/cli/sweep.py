@@ -159,7 +159,7 @@ def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: in
         "recomputed_bytes": by[Decision.RECOMPUTE],
     }
     if planned.search:  # how the default planner found its plan (planners/refine.py)
-        row["search"] = planned.search
+        row["search"], row["found"] = planned.search, planned.found
     if not res.feasible:
         row["error"] = f"simulated peak {res.peak_bytes:,} B exceeds the budget of {budget_bytes:,} B"
     return row, plan, res

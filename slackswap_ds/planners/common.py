@@ -53,6 +53,7 @@ class Planned:
     result: SimResult
     held_bytes: int = 0
     search: str = ""  # how the planner found it, where the plan line should say (planners/refine.py)
+    found: str = ""  # the same in one word of refine.FOUND, for tables that count them ("" where `search` is)
 
     @property
     def peak_bytes(self) -> int:

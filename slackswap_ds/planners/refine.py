@@ -27,6 +27,15 @@ REFINE_BUDGET_S = 2.0  # wall-clock seconds of exact search per plan (a job plan
 # (the keep-all step plus recompute): 1e-4 is 0.01 points of throughput
 STEP_GAP = 1e-4
 BUDGET_ENV = "SLACKSWAP_PLAN_SEARCH_S"  # another budget in seconds (0: the greedy plan alone)
+# `Planned.found`: which plan was kept and why, in one word each
+FOUND = {
+    "exact-proven": "the exact search's plan, proven within its gap",
+    "exact-stopped": "the exact search's plan when its time ran out",
+    "greedy-ideal": "the greedy plan, as fast as keeping everything",
+    "greedy-tie": "the greedy plan, as fast as the exact search's",
+    "greedy-faster": "the greedy plan, faster in the simulator than the exact search's",
+    "greedy-alone": "the greedy plan, the exact search off or without a plan",
+}
 
 
 def search_budget_s() -> float:
@@ -52,7 +61,8 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
     budget_s = search_budget_s() if budget_s is None else budget_s
     ideal_s = keep_all_result(model.profile, model.hw).step_s
     if greedy is not None and greedy.result.step_s <= ideal_s * (1 + 1e-12):
-        return replace(greedy, search="greedy, as fast as keeping everything (nothing for the exact search to gain)")
+        return replace(greedy, search="greedy, as fast as keeping everything (nothing for the exact search to gain)",
+                       found="greedy-ideal")
     exact = None
     if budget_s > 0:
         import highspy  # noqa: F401  (its import, once a process, is not search time)
@@ -74,7 +84,7 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
         if greedy is None:
             raise BudgetInfeasibleError(f"{planner}: the greedy search found no plan within {budget_bytes:,} B "
                                         f"and the exact search {none}")
-        return replace(greedy, search=f"greedy; the exact search {none}")
+        return replace(greedy, search=f"greedy; the exact search {none}", found="greedy-alone")
     last = exact.last
     proven = not last.stopped_early
     # the gap in points of throughput: ideal / (ideal + bound) - ideal / (ideal + incumbent)
@@ -83,6 +93,8 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
             f"{100 * MilpOptions().mip_rel_gap:g}% of recompute time" if proven
             else f"not proven optimal: up to {points:.2f} points of throughput when its {budget_s:g} s ran out")
     if greedy is not None and greedy.result.step_s <= exact.planned.result.step_s:
-        how = "greedy, as fast as the exact search's plan" if proven else "greedy, faster than the exact search's plan"
-        return replace(greedy, search=f"{how} ({sure}; {took:.2f} s)")
-    return replace(exact.planned, search=f"exact search ({sure}; {took:.2f} s)")
+        tie = greedy.result.step_s >= exact.planned.result.step_s * (1 - 1e-12)  # (sums in another order)
+        how = "greedy, as fast as the exact search's plan" if tie else "greedy, faster than the exact search's plan"
+        return replace(greedy, search=f"{how} ({sure}; {took:.2f} s)", found="greedy-tie" if tie else "greedy-faster")
+    return replace(exact.planned, search=f"exact search ({sure}; {took:.2f} s)",
+                   found="exact-proven" if proven else "exact-stopped")

@@ -26,7 +26,7 @@ def test_the_default_plan_is_the_optimum_where_the_search_has_the_time(a100, gpt
     optimal = get_planner("optimal")(gpt2, a100, budget)
     assert (default.plan.planner, greedy.plan.planner) == ("slackswap", "slackswap-greedy")
     assert default.peak_bytes <= budget and default.result.feasible
-    assert "optimal in the region model" in default.search
+    assert "optimal in the region model" in default.search and default.found in ("exact-proven", "greedy-tie")
     # the same MILP as the optimal planner's (proven within its gap; another plan of equal cost may
     # sum its times in another order), or the greedy plan where that is faster
     assert default.result.step_s <= min(greedy.result.step_s, optimal.result.step_s) * (1 + 1e-12)
@@ -47,7 +47,7 @@ def test_out_of_time_the_greedy_plan_is_kept_and_said(a100, gpt2):
     greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
     kept = refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap-greedy", version="3", budget_s=0.0)
     assert kept.plan == greedy.plan and kept.result == greedy.result
-    assert kept.search == "greedy; the exact search is off ($SLACKSWAP_PLAN_SEARCH_S=0)"
+    assert kept.search == "greedy; the exact search is off ($SLACKSWAP_PLAN_SEARCH_S=0)" and kept.found == "greedy-alone"
     with pytest.raises(BudgetInfeasibleError, match="the greedy search found no plan .* and the exact search is off"):
         refined(None, RegionModel(gpt2, a100), budget, planner="slackswap", version="3", budget_s=0.0)
     late = refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap-greedy", version="3", budget_s=1e-9)
@@ -90,6 +90,7 @@ def test_a_greedy_plan_as_fast_as_keeping_everything_is_not_searched_further(a10
     default = get_planner("slackswap")(gpt2, a100, budget)
     assert default.plan.decision == greedy.plan.decision
     assert default.search == "greedy, as fast as keeping everything (nothing for the exact search to gain)"
+    assert default.found == "greedy-ideal"
 
 
 def test_a_solve_started_from_a_plan_begins_at_that_plan(a100, gpt2):
