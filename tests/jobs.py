@@ -60,12 +60,11 @@ def cpu_env(**extra: str) -> dict[str, str]:
     follows the machine's load and two runs of the *same* model then differ in the last bits; and this
     checkout first on the path (the ranks import slackswap_ds, and the workers their helpers, from it)."""
     path = os.pathsep.join([str(ROOT), *([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])])
-    # The default planner's exact search costs every rank highspy's import and a solve for plans of
-    # tiny models: off in jobs, which test plans of any kind alike (random plans among them); the jobs
-    # of tests/test_run.py, a user's first launches, turn it back on.
+    # Jobs plan with the default planner whole, as a user's do: its exact search (highspy's import, a
+    # fraction of a second, and a solve of milliseconds on these models) within the suite's budget
+    # (tests/conftest.py), which every process of a job inherits.
     return {**os.environ, "DS_ACCELERATOR": "cpu", "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo",
-            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path,
-            "SLACKSWAP_PLAN_SEARCH_S": "0", **extra}
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
 
 
 @functools.lru_cache(maxsize=None)
