@@ -42,10 +42,6 @@ class OutOfTime(Exception):
     """The search's time ran out before HiGHS found any plan (not a proof that none exists)."""
 
 
-# HiGHS's MIP search on 2 threads: on BERT-Large at 0.5 (A100 preset) it proves the optimum in 2.3 s where one
-# thread stops at a 20 s limit, and it stays deterministic (the same plan run after run); more threads than
-# that on a GPU node would make 8 ranks planning at once compete for the host's cores.
-HIGHS_THREADS = 2
 SOLVER_OUTPUT_ENV = "SLACKSWAP_SOLVER_OUTPUT"  # set (to anything but "0"): HiGHS's own lines are shown
 _HIGHS_LINE = re.compile(r"^\s*(Highs|HiGHS|Running HiGHS|Includes third-party software)")
 
@@ -360,7 +356,7 @@ class _MilpModel:
         lp.integrality_ = [highspy.HighsVarType.kInteger] * n_binary + [highspy.HighsVarType.kContinuous] * (n - n_binary)
         with solver_output_dropped():
             h = highspy.Highs()
-            settings = {"output_flag": False, "threads": HIGHS_THREADS, "time_limit": float(options.time_limit_s),
+            settings = {"output_flag": False, "threads": 1, "time_limit": float(options.time_limit_s),
                         "mip_rel_gap": float(options.mip_rel_gap)}
             if options.mip_abs_gap_s > 0:  # else HiGHS's own default
                 settings["mip_abs_gap"] = float(options.mip_abs_gap_s / self.second_unit)
