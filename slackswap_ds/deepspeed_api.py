@@ -16,6 +16,9 @@ of the section.
   wrapped (`hook_pipeline`); its `pipe_buffers`, stage id, topology and
   `activation_checkpoint_interval`.
 * ZeRO: the host bytes ZeRO-Offload pins, and whether ZeRO-Infinity offloads parameters.
+* ZeRO-3: each layer of a block stack made a ZeRO-3 leaf module after the engine was built, its
+  hooks registered again (`gather_layers_whole`), and those hooks paused on a layer while a replay
+  re-runs it (`ZeroLayers.replaying`).
 * `engine.compile()`: whether DeepCompile or compiled autograd is on.
 """
 
@@ -252,6 +255,69 @@ def zero_sharding(engine) -> tuple[int, int]:
     return (int(stage()) if stage is not None else 0), int(getattr(engine, "dp_world_size", 1) or 1)
 
 
+class ZeroLayers:
+    """ZeRO-3 layers gathered whole, so that a replay needs no collective (see `gather_layers_whole`)."""
+
+    def __init__(self, offload, layers: list):
+        self._offload, self.layers = offload, layers
+
+    @contextlib.contextmanager
+    def replaying(self, layer) -> Iterator[None]:
+        """`layer` runs again inside its own backward: its parameters must be present (gathered by
+        ZeRO-3's pre-backward hook on every rank alike), and ZeRO-3's own hooks on it are paused, so
+        that the replay fetches, prefetches, releases and traces nothing: no collective of its own,
+        and the backward it runs inside keeps its parameters."""
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+        absent = [name for name, p in layer.named_parameters()
+                  if getattr(p, "ds_status", ZeroParamStatus.AVAILABLE) != ZeroParamStatus.AVAILABLE]
+        if absent:  # never gathered here: a gather on this rank alone would hang the group
+            raise RuntimeError(f"ZeRO-3 holds {len(absent)} of this layer's parameters partitioned (e.g. "
+                               f"{absent[0]}): its replay ran outside the layer's backward, and gathering them "
+                               f"here would be a collective on this rank alone")
+        ours = {h.id for h in [*self._offload.forward_hooks, *self._offload.backward_hooks]}
+        hooks = (layer._forward_pre_hooks, layer._forward_hooks)
+        kept = [dict(d) for d in hooks]
+        for d in hooks:
+            for key in ours & d.keys():
+                del d[key]
+        try:
+            yield
+        finally:
+            for d, before in zip(hooks, kept):
+                d.clear()
+                d.update(before)
+
+
+def gather_layers_whole(engine, layers: list) -> ZeroLayers | None:
+    """ZeRO-3: make each of `layers` (the model's block-stack layers) a ZeRO-3 leaf module, so that
+    ZeRO-3 gathers a layer's parameters all at once in the hooks around its forward and its backward,
+    on every rank at the same point whatever each rank's plan; a replay inside the layer's backward
+    then finds them present. DeepSpeed reads the leaf flag when it registers its hooks, at
+    `initialize`: they are registered again (its own `_remove_module_hooks` and
+    `setup_zero_stage3_hooks`; the trace it prefetches by is re-recorded). Gradient reduction stays
+    per parameter, as the optimizer set it up (so its order, and its bits, are those of the job
+    without SlackSwap): the parameters' leaf mark, read only there, is taken off again. None where
+    the engine has no ZeRO-3 hooks to register."""
+    from deepspeed.utils import set_z3_leaf_module
+
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", None)
+    if offload is None and hasattr(optimizer, "setup_zero_stage3_hooks"):  # ZeRO-3 without an optimizer
+        offload = optimizer
+    if offload is None or not layers:
+        return None
+    for layer in layers:
+        set_z3_leaf_module(layer, True)
+    offload._remove_module_hooks()
+    offload.setup_zero_stage3_hooks()
+    for layer in layers:
+        for p in layer.parameters():
+            if hasattr(p, "ds_z3_leaf_module"):
+                del p.ds_z3_leaf_module
+    return ZeroLayers(offload, list(layers))
+
+
 def offloads_parameters(engine) -> bool:
     """ZeRO-Infinity parameter offload (`offload_param`) is on."""
     return getattr(engine, "zero_offload_param", lambda: None)() is not None
@@ -268,9 +334,9 @@ def compiled_autograd_enabled(engine) -> bool:
     return bool(getattr(engine, "_is_compiled_autograd_enabled", False))
 
 
-__all__ = ["GUARD_MARK", "INITIALIZE_MARK", "checkpointing_set_aside", "compiled_autograd_enabled", "config_file_of",
-           "deepcompile_active", "hook_forward_backward", "hook_pipeline", "initialize_is_routed",
-           "initialize_without_section", "is_pipeline_engine", "is_train_schedule", "micro_batch_inputs",
-           "offloads_parameters", "original_initialize", "partitions_parameters", "remember_original",
-           "route_initialize", "stage_of", "stage_ranks", "unroute_initialize", "zero_offload_pinned_bytes",
-           "zero_sharding"]
+__all__ = ["GUARD_MARK", "INITIALIZE_MARK", "ZeroLayers", "checkpointing_set_aside", "compiled_autograd_enabled",
+           "config_file_of", "deepcompile_active", "gather_layers_whole", "hook_forward_backward", "hook_pipeline",
+           "initialize_is_routed", "initialize_without_section", "is_pipeline_engine", "is_train_schedule",
+           "micro_batch_inputs", "offloads_parameters", "original_initialize", "partitions_parameters",
+           "remember_original", "route_initialize", "stage_of", "stage_ranks", "unroute_initialize",
+           "zero_offload_pinned_bytes", "zero_sharding"]

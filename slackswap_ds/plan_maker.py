@@ -6,8 +6,9 @@ derived profile into a running executor, on the DeepSpeed engine and on pipeline
     within_budget   the configured planner's plan for `holds` micro-batches at once; if it finds
                     none within the budget, the fastest (simulated) of the fallbacks that does,
                     with a warning; if none does, BudgetInfeasibleError with every reason
-    plannable       the profile planners see: under ZeRO-3 without recompute (a replay would re-run
-                    ZeRO-3's parameter gathers, collectives, on one rank alone)
+    plannable       the profile planners see: under ZeRO-3, a tensor is recomputed only inside its own
+                    layer call's backward, where ZeRO-3 has gathered the layer's parameters on every
+                    rank (a replay elsewhere would gather them on one rank alone)
     fit_to_device   on a device without streams (DeepSpeed's CPU accelerator) copies are
                     synchronous: prefetches timed for the planning hardware are retimed if they
                     would push the peak over the budget there
@@ -34,7 +35,8 @@ from .agreement import agree
 from .budget import AUTO_MARGIN, auto_budget_bytes
 from .config import SlackSwapConfig
 from .coordination import Coordinator
-from .deepspeed_api import offloads_parameters, partitions_parameters, zero_offload_pinned_bytes, zero_sharding
+from .deepspeed_api import (ZeroLayers, gather_layers_whole, offloads_parameters, partitions_parameters,
+                            zero_offload_pinned_bytes, zero_sharding)
 from .errors import BudgetInfeasibleError, PlanError
 from .hardware import Hardware
 from .logs import EVERY_RANK, SayOnce, log
@@ -46,6 +48,7 @@ from .planners.common import Planned, fit_triggers, held_bytes, simulated
 from .runtime.device import Device
 from .runtime.executor import executor_for
 from .runtime.host_pool import HostPool
+from .runtime.regions import find_layers
 from .shapes import Prediction, ShapeKey, ShapeState, describe
 from .shares import PRIVATE, Share
 from .simulator import SimResult, simulate
@@ -74,11 +77,13 @@ class PlanMaker:
     """Makes, agrees and installs one rank's plans (see the module docstring)."""
 
     def __init__(self, cfg: SlackSwapConfig, hw: Hardware, module: nn.Module, coordinator: Coordinator,
-                 offload_pinned_bytes: int | None = None, recompute: bool = True, zero: tuple[int, int] = (0, 1)):
+                 offload_pinned_bytes: int | None = None, recompute: bool = True, zero: tuple[int, int] = (0, 1),
+                 zero_layers: ZeroLayers | None = None):
         self.cfg, self.hw, self.module, self.coordinator = cfg, hw, module, coordinator
         self.offload_pinned_bytes = offload_pinned_bytes  # ZeRO-Offload's pinned host bytes per rank (None: off)
-        self.recompute = recompute  # plans may recompute (not under ZeRO-3)
+        self.recompute = recompute  # plans may recompute
         self.zero = zero  # (ZeRO stage, ranks the model state is sharded over)
+        self.zero_layers = zero_layers  # ZeRO-3: layers gathered whole, replayed inside their own backward
         self.auto_bytes: int | None = None  # an "auto" budget, found at the job's first plan
         self.said_too_large = False  # a size budget above the device's memory was warned about
         # the model's own checkpointing ran inline in a profiled step (ProfileSession): this model's,
@@ -99,13 +104,22 @@ class PlanMaker:
             log.warning("slackswap: ZeRO-Infinity parameter offload (offload_param) moves every layer's parameters "
                         "over the host link in forward and backward; plans do not account for that traffic yet, "
                         "so prefetches may stall (slower steps; the gradients are unaffected)")
-        recompute = not partitions_parameters(engine)
-        if not recompute:
-            log.info("slackswap: ZeRO-3 gathers each layer's parameters in hooks around its forward and backward "
-                     "(collectives of the data-parallel group); a replay would gather them again on one rank "
-                     "alone, so plans keep or swap saved tensors here, never recompute them")
+        zero_layers, recompute = None, True
+        if partitions_parameters(engine):
+            layers = [layer for _, layer in find_layers(engine.module)]
+            zero_layers = gather_layers_whole(engine, layers)
+            recompute = zero_layers is not None
+            if recompute:
+                log.info("slackswap: ZeRO-3 gathers each of the model's %d layers whole (a leaf module) before its "
+                         "forward and its backward, on every rank alike: a replay runs inside its layer's backward "
+                         "and gathers nothing itself; tensors read outside their own layer are kept or swapped",
+                         len(layers))
+            else:
+                log.info("slackswap: ZeRO-3 without block-stack layers to gather whole: a replay would gather "
+                         "parameters on one rank alone, so plans keep or swap saved tensors here, never "
+                         "recompute them")
         return cls(cfg, hw, engine.module, Coordinator(cfg, hw, stage, members), zero_offload_pinned_bytes(engine),
-                   recompute, zero_sharding(engine))
+                   recompute, zero_sharding(engine), zero_layers)
 
     def budget_for(self, profile: StepProfile, holds: int = 1) -> int:
         """The budget in bytes of a step of `profile` with `holds` micro-batches in flight: what the
@@ -137,7 +151,12 @@ class PlanMaker:
 
     def plannable(self, profile: StepProfile) -> StepProfile:
         """`profile` as planners may plan it: without recompute where plans may not recompute."""
-        keys = [] if self.recompute else [a.key for a in profile.activations if a.recomputable]
+        if not self.recompute:
+            keys = [a.key for a in profile.activations if a.recomputable]
+        elif self.zero_layers is not None:
+            keys = profile.read_outside_their_call()
+        else:
+            keys = []
         return profile.without_recompute(keys) if keys else profile  # (plannable twice is plannable once)
 
     # ---- making a plan ---------------------------------------------------------------------------
@@ -253,7 +272,8 @@ class PlanMaker:
         state.profile, state.plan = profile, plan
         state.search = planned.search if planned is not None else ""
         state.executor = executor_for(self.module, plan, profile, schedule=schedule, pool=self.pool,
-                                      replan=self.replan, verify_every=self.cfg.verify_every, said=self.said)
+                                      replan=self.replan, verify_every=self.cfg.verify_every, said=self.said,
+                                      around_replay=self.zero_layers.replaying if self.zero_layers else None)
         state.prediction = self._prediction(profile, sim, held)
         return sim
 

@@ -216,6 +216,25 @@ class StepProfile:
     def region_of(self, a: Activation) -> str:
         return self.ops[a.saved_at].region
 
+    def read_outside_their_call(self) -> list[str]:
+        """Keys of the recomputable activations a replay of their own layer call could regenerate only
+        outside that call's backward: one an op of another region reads in backward (a layer's output,
+        saved by the next layer's first op), or one the replay of another region needs (a layer's
+        input). Under ZeRO-3 a layer's parameters are present only inside its own forward and backward
+        (deepspeed_api.gather_layers_whole), so these are kept or swapped there."""
+        def own(a: Activation) -> str:
+            return self.ops[a.producers[0]].region
+
+        out = []
+        for a in self.activations:
+            if not a.recomputable:
+                continue
+            region = own(a)
+            if (any(self.ops[i].region != region for i in (*a.users, *a.producers))
+                    or any(own(b) != region for b in self.dependents.get(a.key, ()) if b.recomputable)):
+                out.append(a.key)
+        return out
+
     @property
     def runs_compiled_code(self) -> bool:
         """Whether a compiled call is among the ops (its saves are those of the graph Dynamo compiled)."""

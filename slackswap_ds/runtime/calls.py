@@ -58,8 +58,10 @@ class LayerCalls:
     """The recorded layer calls of an executor's steps (see the module docstring)."""
 
     def __init__(self, residency: Residency, swaps: Swaps, verifier: Verifier, released: collections.deque[Entry],
-                 takeover: bool, saved: tuple[Callable, Callable], clock: HostClock):
+                 takeover: bool, saved: tuple[Callable, Callable], clock: HostClock,
+                 around_replay: Callable[[nn.Module], ContextManager] | None = None):
         self.residency, self.swaps, self.verifier = residency, swaps, verifier
+        self.around_replay = around_replay  # entered around each layer's replay (ZeRO-3: deepspeed_api.ZeroLayers)
         self.released = released  # the executor's queue of holders gone: a replay's pins end there
         self.takeover = takeover  # checkpoint calls run inline in replays too (takeover.py)
         self._saved = saved  # the executor's (pack, unpack): a call replayed whole counts its saves on the way
@@ -170,15 +172,16 @@ class LayerCalls:
         self._replaying.append(step)
         try:
             args, kwargs = self._arguments(call)
+            context = functools.partial(self._replay_context, call.module)
             rerun = step.program.rerun.get(call.label, frozenset())
             if call.rng is not None:  # run again whole
                 compiled = is_compiled(call.module)
-                run_whole_replay(self, call, args, kwargs, self._replay_context, stop_early=not compiled)
+                run_whole_replay(self, call, args, kwargs, context, stop_early=not compiled)
                 for k in (0,) if compiled else sorted(rerun):  # (a compiled call is one op; see Program.whole)
                     self.ran(call, k)
                 step.stats.whole_replays += not compiled
             else:
-                run_replay(self, call, rerun, args, kwargs, self._replay_context)
+                run_replay(self, call, rerun, args, kwargs, context)
                 if call.replayable_whole:
                     self.proven.add(call.label)
         except StreamProtocolError:  # the runtime's own copies broke the protocol: never a layer's failure
@@ -206,10 +209,15 @@ class LayerCalls:
             if timeline is not None:
                 timeline.span("compute", "recompute", call.label, start, timeline.now())
 
-    def _replay_context(self) -> ContextManager:
+    def _replay_context(self, module: nn.Module) -> ContextManager:
         from .takeover import inline_checkpoints
 
-        return inline_checkpoints() if self.takeover else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if self.around_replay is not None:
+            stack.enter_context(self.around_replay(module))
+        if self.takeover:
+            stack.enter_context(inline_checkpoints())
+        return stack
 
     def _arguments(self, call: CallRecord) -> tuple[tuple, dict]:
         for t, version in call.versions:

@@ -53,7 +53,7 @@ import collections
 import contextlib
 import threading
 import weakref
-from typing import Hashable, Protocol
+from typing import Callable, ContextManager, Hashable, Protocol
 
 import torch
 from torch import nn
@@ -164,7 +164,8 @@ class Executor:
     def _setup(self, model: nn.Module, pool: HostPool | None, device: Device | None, *, record: bool = False,
                verify: bool = True, replan: Replan | None = None, takeover: bool = True,
                observer: Observer | None = None, keep_bytes: int = 0, verify_every: int = 0,
-               said: SayOnce | None = None) -> None:
+               said: SayOnce | None = None,
+               around_replay: Callable[[nn.Module], ContextManager] | None = None) -> None:
         self.model, self.record = model, record  # record: a measured timeline of each step (stats.last_timeline)
         self.takeover, self.observer = takeover, observer
         self.layers, self.regions = find_layers(model), RegionTracker()
@@ -177,7 +178,7 @@ class Executor:
         self._verifier = verifier = Verifier(residency, replan, device)
         self._clock = clock = HostClock()
         hooks = clock.timed(self._pack), clock.timed(self._unpack)
-        self._calls = LayerCalls(residency, swaps, verifier, released, takeover, hooks, clock)
+        self._calls = LayerCalls(residency, swaps, verifier, released, takeover, hooks, clock, around_replay)
         self._entries = Entries(residency, swaps, verifier, self._calls, released, keep_bytes)
         self._steps = Steps(self._entries, swaps, verifier, residency, verify=verify, opened=self._step_opened,
                             closed=self._step_closed, verify_every=verify_every, said=said)
@@ -444,7 +445,8 @@ class Executor:
 def executor_for(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule: Schedule | None = None,
                  pool: HostPool | None = None, record: bool = False, verify: bool = True, verify_every: int = 0,
                  replan: Replan | None = None, device: Device | None = None, takeover: bool = True,
-                 said: SayOnce | None = None) -> Executor:
+                 said: SayOnce | None = None,
+                 around_replay: Callable[[nn.Module], ContextManager] | None = None) -> Executor:
     """Context manager: every step run inside follows `plan`, made for `profile` of this model.
     ``with executor_for(model, plan, profile) as stats: ...``; ``stats.last_step`` has the counters.
 
@@ -453,7 +455,9 @@ def executor_for(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule
     first step); `verify_every` (and again every this many steps: steps.py; 0: never again); `said` (a
     SayOnce the executors of one job share: each kind of fallback warned once); `replan` (how to re-plan after a demotion; default: the failed tensors swapped,
     verify.swap_instead; the plain-PyTorch API's is api.replan_without); `device` (default: the
-    Device of the model's parameters); `takeover` (checkpoint calls inline, caches off: takeover.py)."""
+    Device of the model's parameters); `takeover` (checkpoint calls inline, caches off: takeover.py);
+    `around_replay` (a context entered around each layer's replay, given the layer: ZeRO-3's, in
+    deepspeed_api.ZeroLayers)."""
     if plan.profile_digest != profile.digest:
         raise PlanError(f"plan {plan.digest[:12]} was made for profile {plan.profile_digest[:12]}, not for "
                         f"{profile.name!r} ({profile.digest[:12]}); plan again for this profile")
@@ -463,4 +467,5 @@ def executor_for(model: nn.Module, plan: Plan, profile: StepProfile, *, schedule
     elif schedule.plan != plan:
         raise PlanError("the schedule passed to executor_for() executes another plan")
     return Executor(model, schedule, profile, pool=pool, record=record, verify=verify, replan=replan,
-                    takeover=takeover, device=device, verify_every=verify_every, said=said)
+                    takeover=takeover, device=device, verify_every=verify_every, said=said,
+                    around_replay=around_replay)
