@@ -80,6 +80,7 @@ class Job:
     grad_reduce_bytes: int = GRAD_BYTES  # per gradient element in the data-parallel reduction: 4 when
     # reduced in fp32 (FSDP's MixedPrecision reduce_dtype=float32: torchtitan's, Composer's DEFAULT)
     sharding: str = "deepspeed"  # with zero 3, whose code shards: `sharded.SHARDINGS` (its own copies differ)
+    recompute: bool = True  # plans may recompute (False: keep or swap only, as SlackSwap ran ZeRO-3 before issue 36)
 
     def __post_init__(self) -> None:
         problems = []
@@ -111,6 +112,8 @@ class Job:
             problems.append(f"sharding must be one of {list(sharded.SHARDINGS)}, got {self.sharding!r}")
         elif self.sharding != "deepspeed" and self.zero != 3:
             problems.append(f"sharding {self.sharding!r} is how ZeRO-3 / FSDP FULL_SHARD shards: it needs zero 3")
+        if not isinstance(self.recompute, bool):
+            problems.append(f"recompute must be True or False, got {self.recompute!r}")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         counts = self.stage_layer_counts
@@ -195,7 +198,10 @@ def _region_params(spec: ModelSpec, par: Parallel, layers: range, embed: bool, h
 def stage_profile(job: Job, hw, stage: int) -> StepProfile:
     """One rank's profile of one micro-batch on `stage`."""
     name = job.spec.name if job.stages == 1 else f"{job.spec.name}/stage{stage}"
-    return transformer_profile(job.spec, hw, job.par, name=name, **job.stage_parts(stage))
+    profile = transformer_profile(job.spec, hw, job.par, name=name, **job.stage_parts(stage))
+    if not job.recompute:
+        return profile.without_recompute(a.key for a in profile.activations if a.recomputable)
+    return profile
 
 
 # ---- ZeRO-Offload's own traffic -------------------------------------------------------------------

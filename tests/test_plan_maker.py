@@ -77,6 +77,24 @@ def test_under_zero3_plans_may_not_recompute():
     assert plans.plannable(plans.plannable(profile)) == plans.plannable(profile)
 
 
+def test_under_zero3_a_tensor_is_recomputed_only_inside_its_own_layer_call():
+    # region r1 also reads r0's y (a layer's output the next layer saves), and r1's replay needs r0's z
+    # (a layer's input): a replay inside r0's backward serves neither, so both are kept or swapped;
+    # r1's y and r0's w are read and needed in their own region alone
+    from slackswap_ds.step_profile import Activation, Op, StepProfile
+
+    ops = [Op("r0:0:a", 1, 2, "r0"), Op("r0:1:b", 1, 2, "r0"), Op("r1:0:a", 1, 2, "r1"), Op("r1:1:b", 1, 2, "r1")]
+    acts = [Activation("r0:x", 10, (0,)), Activation("r0:y", 20, (1, 2), (0,), ("r0:x",)),
+            Activation("r0:z", 20, (1,), (0,), ("r0:x",)), Activation("r0:w", 20, (1,), (0,), ("r0:x",)),
+            Activation("r1:y", 20, (3,), (2,), ("r0:z",))]
+    profile = StepProfile("toy", ops, acts)
+    assert profile.read_outside_their_call() == ["r0:y", "r0:z"]
+    plans = maker()
+    assert plans.plannable(profile) is profile  # no ZeRO-3: every recomputable tensor stays so
+    plans.zero_layers = object()  # (what gather_layers_whole returned: tests/test_deepspeed_api.py)
+    assert [a.key for a in plans.plannable(profile).activations if a.recomputable] == ["r0:w", "r1:y"]
+
+
 def test_a_plan_is_agreed_alone_installed_and_describes_its_bytes():
     plans = maker()
     profile = two_region_profile()
