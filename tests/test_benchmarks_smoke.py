@@ -367,3 +367,18 @@ def test_pack_bound_quick_packs_only_the_masks_and_orders_its_columns(tmp_path, 
     (row,) = json.loads((tmp_path / "pack_bound.json").read_text())
     assert row["fused"] >= row["bound"] - 1e-9 and row["paper"] == 96.3
     assert f"{row['bound']:.2f}" in capsys.readouterr().out
+
+
+def test_zero3_recompute_quick_sets_swap_only_beside_recompute(tmp_path, capsys):
+    from benchmarks import zero3_recompute
+
+    assert zero3_recompute.main(["--quick", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "zero3_recompute.json").read_text())["rows"]
+    assert [(r["node"], r["model"], r["budget"]) for r in rows] == [("dgx-a100", "gpt2-xl", 0.2),
+                                                                    ("dgx-a100", "gpt2-xl", 0.5)]
+    for row in rows:
+        both, swap = row["recompute"], row["swap-only"]
+        assert both["planner"] == "slackswap" and both["recompute_bytes"] > 0 and 0 < both["pct"] <= 100
+        assert "pct" not in swap or swap["pct"] <= both["pct"] + 0.01  # fewer choices: never better
+    out = capsys.readouterr().out
+    assert "swap-only" in out and out.count("gpt2-xl") == 2
