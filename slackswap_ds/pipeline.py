@@ -26,10 +26,9 @@ What a step is here (Narayanan et al. 2021, Korthikanti et al. 2022; DeepSpeed Z
   GPU's share of its socket's memory bandwidth plus the copy of the updated 16-bit parameters back
   to the device. Stage-to-stage sends carry one micro-batch's boundary activation (1/tp of it per
   rank, Megatron's scatter-gather; DeepSpeed sends it whole) at the same link's rate.
-
 * ZeRO-3 (FSDP FULL_SHARD): every micro-batch gathers each region's parameters before it runs, in
   forward and again in backward, and reduce-scatters its gradients (`sharded`); no gradient
-  reduction after the pipeline.
+  reduction after the pipeline. Its plans recompute as any others (`Job.recompute`: or not).
 
 Every rate comes from the hardware presets; the step is deterministic.
 """
@@ -112,8 +111,6 @@ class Job:
             problems.append(f"sharding must be one of {list(sharded.SHARDINGS)}, got {self.sharding!r}")
         elif self.sharding != "deepspeed" and self.zero != 3:
             problems.append(f"sharding {self.sharding!r} is how ZeRO-3 / FSDP FULL_SHARD shards: it needs zero 3")
-        if not isinstance(self.recompute, bool):
-            problems.append(f"recompute must be True or False, got {self.recompute!r}")
         if self.schedule not in SCHEDULES:
             problems.append(f"schedule must be one of {list(SCHEDULES)}, got {self.schedule!r}")
         counts = self.stage_layer_counts
@@ -199,9 +196,7 @@ def stage_profile(job: Job, hw, stage: int) -> StepProfile:
     """One rank's profile of one micro-batch on `stage`."""
     name = job.spec.name if job.stages == 1 else f"{job.spec.name}/stage{stage}"
     profile = transformer_profile(job.spec, hw, job.par, name=name, **job.stage_parts(stage))
-    if not job.recompute:
-        return profile.without_recompute(a.key for a in profile.activations if a.recomputable)
-    return profile
+    return profile if job.recompute else profile.without_recompute(a.key for a in profile.activations if a.recomputable)
 
 
 # ---- ZeRO-Offload's own traffic -------------------------------------------------------------------

@@ -104,22 +104,10 @@ class PlanMaker:
             log.warning("slackswap: ZeRO-Infinity parameter offload (offload_param) moves every layer's parameters "
                         "over the host link in forward and backward; plans do not account for that traffic yet, "
                         "so prefetches may stall (slower steps; the gradients are unaffected)")
-        zero_layers, recompute = None, True
-        if partitions_parameters(engine):
-            layers = [layer for _, layer in find_layers(engine.module)]
-            zero_layers = gather_layers_whole(engine, layers)
-            recompute = zero_layers is not None
-            if recompute:
-                log.info("slackswap: ZeRO-3 gathers each of the model's %d layers whole (a leaf module) before its "
-                         "forward and its backward, on every rank alike: a replay runs inside its layer's backward "
-                         "and gathers nothing itself; tensors read outside their own layer are kept or swapped",
-                         len(layers))
-            else:
-                log.info("slackswap: ZeRO-3 without block-stack layers to gather whole: a replay would gather "
-                         "parameters on one rank alone, so plans keep or swap saved tensors here, never "
-                         "recompute them")
+        zero3 = partitions_parameters(engine)
+        zero_layers = _zero3_layers(engine) if zero3 else None
         return cls(cfg, hw, engine.module, Coordinator(cfg, hw, stage, members), zero_offload_pinned_bytes(engine),
-                   recompute, zero_sharding(engine), zero_layers)
+                   not zero3 or zero_layers is not None, zero_sharding(engine), zero_layers)
 
     def budget_for(self, profile: StepProfile, holds: int = 1) -> int:
         """The budget in bytes of a step of `profile` with `holds` micro-batches in flight: what the
@@ -375,6 +363,21 @@ class PlanMaker:
             plan_file.write(path, plan_file.upsert(plan_file.read(path), entry))
         except OSError as e:  # the plan is made and agreed: losing the file must not stop training
             log.warning("slackswap: could not write plan_file %s (%s); the plan is used, not saved", path, e)
+
+
+def _zero3_layers(engine) -> ZeroLayers | None:
+    """ZeRO-3: the model's block-stack layers gathered whole (deepspeed_api.gather_layers_whole), so
+    that plans may recompute; None (plans keep or swap) where it has none. Said once either way."""
+    layers = [layer for _, layer in find_layers(engine.module)]
+    zero_layers = gather_layers_whole(engine, layers)
+    if zero_layers is not None:
+        log.info("slackswap: ZeRO-3 gathers each of the model's %d layers whole (a leaf module) before its forward "
+                 "and its backward, on every rank alike: a replay runs inside its layer's backward and gathers "
+                 "nothing itself; tensors read outside their own layer are kept or swapped", len(layers))
+    else:
+        log.info("slackswap: ZeRO-3 without block-stack layers to gather whole: a replay would gather parameters "
+                 "on one rank alone, so plans keep or swap saved tensors here, never recompute them")
+    return zero_layers
 
 
 def checkpointing_held(profile: StepProfile, hw: Hardware, holds: int = 1) -> int:

@@ -9,6 +9,8 @@ issues no collective of its own (deepspeed_api.gather_layers_whole). ZeRO-3 runs
 0.4 on 8 layers (a layer's saved bytes are a tenth of the step's: a plan that recomputes whole layers
 fits 0.2), with small prefetch buckets and live-parameter limits, and with `offload_param` to the CPU;
 the same on 4 ranks is marked slow. ZeRO-1's matrix is as before (budgets 0.3 / 0.4 / 0.5, 2 layers).
+The case that once died, a recomputing plan under ZeRO-3 (its replay diverged from forward on ZeRO-3's
+gathers, the step went over budget, then an uncaught ReplayError), is every recomputing ZeRO-3 run here.
 
 The same matrix through Hugging Face's Trainer, every rank on its own lengths every step
 (tests/adoption/hf_padding.py), is marked slow (about 6 minutes: `python -m pytest -m slow`)."""

@@ -164,8 +164,7 @@ class Executor:
     def _setup(self, model: nn.Module, pool: HostPool | None, device: Device | None, *, record: bool = False,
                verify: bool = True, replan: Replan | None = None, takeover: bool = True,
                observer: Observer | None = None, keep_bytes: int = 0, verify_every: int = 0,
-               said: SayOnce | None = None,
-               around_replay: Callable[[nn.Module], ContextManager] | None = None) -> None:
+               said: SayOnce | None = None, around_replay: Callable[[nn.Module], ContextManager] | None = None):
         self.model, self.record = model, record  # record: a measured timeline of each step (stats.last_timeline)
         self.takeover, self.observer = takeover, observer
         self.layers, self.regions = find_layers(model), RegionTracker()
