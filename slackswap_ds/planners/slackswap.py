@@ -12,6 +12,11 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
 3. Recompute. While the region memory model's peak M(r*) is over budget, recompute the tensor with
    the lowest marginal recompute time per byte (producers already re-run in its region are free)
    among the regions before r*.
+3b. Trade. A swapped tensor whose producers re-run anyway is recomputed instead, for free (an
+   attention-dropout mask once its dropout output is recomputed), and the link time and pinned bytes
+   it held go to the recomputes that cost the most re-run time per byte (the producers no other
+   recompute of the region needs), swapped instead while their copies fit and the model peak
+   stays within the target: the greedy's plan then does what the MILP's optimum does on a fast link.
 4. Give back. Drops the model peak does not need after all are kept again (`common.release`):
    recomputes first (time), then swaps (pinned bytes and link time for other ranks and ZeRO).
 5. Check and improve. Simulate; if the simulator's peak overshoots (copy latency, transients the
@@ -23,6 +28,7 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
 
 from __future__ import annotations
 
+import collections
 import heapq
 
 import numpy as np
@@ -35,7 +41,7 @@ from ..step_profile import StepProfile
 from .common import Planned, RegionModel, keep_all, region_peaks, release, repair
 from .refine import refined
 
-NAME, VERSION = "slackswap", "3"
+NAME, VERSION = "slackswap", "4"
 GREEDY = "slackswap-greedy"
 
 
@@ -63,6 +69,7 @@ def _greedy(model: RegionModel, budget_bytes: int, planner: str) -> Planned:
     def decide(target: int) -> dict[str, Decision]:
         state.swap_within_slack(target)
         state.recompute_until(target)
+        state.trade(target)
         return release(model, state.dec, target)
 
     return repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, version=VERSION,
@@ -129,6 +136,48 @@ class _State:
             self.h2d_left[r] -= back
             if self.pool_left is not None:
                 self.pool_left -= a.bytes
+
+    def _fits_swap(self, a) -> tuple[float, float] | None:
+        """(D2H s, H2D s) of swapping `a` if its copies fit the slack left and its bytes the pool."""
+        m, r = self.m, self.m.region_of[a.key]
+        out, back = m.copy_s(a.bytes, m.d2h_bps), m.copy_s(a.bytes, m.h2d_bps)
+        if back > self.h2d_left[r] or out > self.d2h_slack[: a.saved_at + 2].min():
+            return None
+        if self.pool_left is not None and a.bytes > self.pool_left:
+            return None
+        return out, back
+
+    def trade(self, target: int) -> None:
+        """Step 3b (module docstring): free riders recomputed, then the dearest recomputes swapped."""
+        m = self.m
+        for a in m.profile.activations:
+            if self.dec[a.key] is Decision.SWAP and a.recomputable and self._rec_cost(a) == 0:
+                self._recompute(a, m.region_of[a.key])
+        uses = [collections.Counter() for _ in m.regions]  # re-runs of each producer a region's recomputes need
+        recomputed = [a for a in m.profile.activations if self.dec[a.key] is Decision.RECOMPUTE]
+        for a in recomputed:
+            uses[m.region_of[a.key]].update(a.producers)
+
+        def saving(a) -> float:  # re-run time no other recompute of its region needs
+            r = m.region_of[a.key]
+            return sum(m.profile.ops[p].fwd_s for p in a.producers if uses[r][p] == 1)
+
+        for a in sorted((a for a in recomputed if a.bytes > 0), key=lambda a: (-saving(a) / a.bytes, a.key)):
+            fits = self._fits_swap(a) if saving(a) > 0 else None
+            r = m.region_of[a.key]
+            if fits is None:
+                continue
+            self.swapped[r] += a.bytes  # (the prefetch term of M(r + 1))
+            if self.peak()[0] > target:
+                self.swapped[r] -= a.bytes
+                continue
+            self.dec[a.key] = Decision.SWAP
+            self.d2h_slack[: a.saved_at + 2] -= fits[0]
+            self.h2d_left[r] -= fits[1]
+            if self.pool_left is not None:
+                self.pool_left -= a.bytes
+            uses[r].subtract(a.producers)
+            self.rerun[r] = {p for p, n in uses[r].items() if n > 0}
 
     def recompute_until(self, target: int) -> None:
         """Recompute the cheapest tensors per byte until the model peak M(r*) meets `target`.

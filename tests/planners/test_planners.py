@@ -252,3 +252,46 @@ def test_prefetches_retimed_for_synchronous_copies_count_the_micro_batches_held(
     assert fitted.plan.decision == planned.plan.decision and fitted.held_bytes == held
     assert fitted.schedule == lower(prof, fitted.plan)  # the retimed plan's one lowering
     assert simulate(fitted.schedule, Hardware.instant_copies()).peak_bytes + held <= budget
+
+
+# ---- the greedy's trade (slackswap.py step 3b) ------------------------------------------------------
+@pytest.fixture(scope="module")
+def gh200():
+    from slackswap_ds.hardware import load_hardware
+
+    return load_hardware("gh200")
+
+
+def _greedy_pct(profile, hw, fraction: float) -> tuple[float, object]:
+    planned = get_planner("slackswap-greedy")(profile, hw, resolve_budget(fraction, profile))
+    return 100 * keep_all_result(profile, hw).step_s / planned.result.step_s, planned
+
+
+def test_the_greedys_swaps_never_ride_on_producers_it_re_runs_anyway(gh200):
+    # a swapped tensor whose producers re-run anyway (an attention-dropout mask once its dropout output
+    # is recomputed) costs link time and pinned bytes for nothing: recomputing it is free
+    profile = workload("gpt2-xl", gh200, layers=8)
+    for fraction in (0.2, 0.3, 0.4):
+        plan = _greedy_pct(profile, gh200, fraction)[1].plan
+        rerun: dict[str, set[int]] = {}
+        for a in profile.activations:
+            if plan.decision[a.key] is Decision.RECOMPUTE:
+                rerun.setdefault(profile.region_of(a), set()).update(a.producers)
+        riders = [a.key for a in profile.activations if plan.decision[a.key] is Decision.SWAP and a.recomputable
+                  and set(a.producers) <= rerun.get(profile.region_of(a), set())]
+        assert riders == [], (fraction, riders)
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.3])
+def test_the_trade_gives_the_greedy_what_the_optimum_does_on_a_fast_link(gh200, monkeypatch, fraction):
+    # GPT-2 XL on the GH200 preset: the greedy without step 3b swapped attention-dropout masks and kept
+    # softmax outputs; the trade recomputes the masks with their outputs and swaps dearer recomputes
+    from slackswap_ds.planners import slackswap
+
+    profile = workload("gpt2-xl", gh200, layers=8)
+    traded, _ = _greedy_pct(profile, gh200, fraction)
+    monkeypatch.setattr(slackswap._State, "trade", lambda self, target: None)
+    alone, _ = _greedy_pct(profile, gh200, fraction)
+    optimum = 100 * keep_all_result(profile, gh200).step_s / get_planner("optimal")(
+        profile, gh200, resolve_budget(fraction, profile)).result.step_s
+    assert alone + 0.5 < traded <= optimum + 1e-9, (alone, traded, optimum)
