@@ -120,22 +120,12 @@ class _State:
         for a in cands:
             if self.peak()[0] <= target:
                 break
-            r = m.region_of[a.key]
-            out = m.copy_s(a.bytes, m.d2h_bps)
-            back = m.copy_s(a.bytes, m.h2d_bps)
-            release = a.saved_at + 1
-            if back > self.h2d_left[r] or out > self.d2h_slack[: release + 1].min():
-                continue
-            if self.pool_left is not None and a.bytes > self.pool_left:
+            fits = self._fits_swap(a)
+            if fits is None:
                 continue
             # (a swap never raises the model peak: M(r+1) trades kept bytes for prefetched ones)
-            self.kept[r] -= a.bytes
-            self.swapped[r] += a.bytes
-            self.dec[a.key] = Decision.SWAP
-            self.d2h_slack[: release + 1] -= out
-            self.h2d_left[r] -= back
-            if self.pool_left is not None:
-                self.pool_left -= a.bytes
+            self.kept[m.region_of[a.key]] -= a.bytes
+            self._swap(a, fits)
 
     def _fits_swap(self, a) -> tuple[float, float] | None:
         """(D2H s, H2D s) of swapping `a` if its copies fit the slack left and its bytes the pool."""
@@ -146,6 +136,16 @@ class _State:
         if self.pool_left is not None and a.bytes > self.pool_left:
             return None
         return out, back
+
+    def _swap(self, a, fits: tuple[float, float]) -> None:
+        """`a` swapped: its copies (`_fits_swap`'s) taken from the slack, its bytes from the pool."""
+        r = self.m.region_of[a.key]
+        self.swapped[r] += a.bytes
+        self.dec[a.key] = Decision.SWAP
+        self.d2h_slack[: a.saved_at + 2] -= fits[0]
+        self.h2d_left[r] -= fits[1]
+        if self.pool_left is not None:
+            self.pool_left -= a.bytes
 
     def trade(self, target: int) -> None:
         """Step 3b (module docstring): free riders recomputed, then the dearest recomputes swapped."""
@@ -167,15 +167,12 @@ class _State:
             r = m.region_of[a.key]
             if fits is None:
                 continue
-            self.swapped[r] += a.bytes  # (the prefetch term of M(r + 1))
-            if self.peak()[0] > target:
-                self.swapped[r] -= a.bytes
+            self.swapped[r] += a.bytes  # (the prefetch term of M(r + 1), tried)
+            over = self.peak()[0] > target
+            self.swapped[r] -= a.bytes
+            if over:
                 continue
-            self.dec[a.key] = Decision.SWAP
-            self.d2h_slack[: a.saved_at + 2] -= fits[0]
-            self.h2d_left[r] -= fits[1]
-            if self.pool_left is not None:
-                self.pool_left -= a.bytes
+            self._swap(a, fits)
             uses[r].subtract(a.producers)
             self.rerun[r] = {p for p, n in uses[r].items() if n > 0}
 

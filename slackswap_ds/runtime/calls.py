@@ -32,7 +32,7 @@ import collections
 import contextlib
 import functools
 import time
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch import nn
@@ -209,15 +209,13 @@ class LayerCalls:
             if timeline is not None:
                 timeline.span("compute", "recompute", call.label, start, timeline.now())
 
-    def _replay_context(self, module: nn.Module) -> ContextManager:
+    @contextlib.contextmanager
+    def _replay_context(self, module: nn.Module) -> Iterator[None]:
         from .takeover import inline_checkpoints
 
-        stack = contextlib.ExitStack()
-        if self.around_replay is not None:
-            stack.enter_context(self.around_replay(module))
-        if self.takeover:
-            stack.enter_context(inline_checkpoints())
-        return stack
+        with (self.around_replay(module) if self.around_replay is not None else contextlib.nullcontext()), \
+                (inline_checkpoints() if self.takeover else contextlib.nullcontext()):
+            yield
 
     def _arguments(self, call: CallRecord) -> tuple[tuple, dict]:
         for t, version in call.versions:
