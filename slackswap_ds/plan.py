@@ -15,6 +15,10 @@ Schedule protocol (the simulator and the executor both follow it; comments elsew
              (the recomputed tensors become resident when their last producer finishes);
              BWD(op) waits for the copy-in of every swapped tensor it reads, and frees every
              tensor whose last reader it is.
+             PACK: a packed tensor's bytes are its packed ones (kept, or copied out and in); the
+             FWD that saves it also packs it and the BWD that first reads it unpacks it (each
+             `pack_s`); the unpacked tensor (UNPACKED key) is resident from that BWD's start
+             until the tensor is freed.
     d2h:     COPY_OUT(act) for swapped tensors in the order they are saved; each waits for the FWD
              that saved it, and the device copy is released only when the copy ends.
     h2d:     COPY_IN(act) in the order backward needs them; each waits for its own COPY_OUT and for
@@ -39,6 +43,7 @@ from .step_profile import Activation, StepProfile
 
 PLAN_FORMAT = "slackswap.plan/1"
 END_OF_FORWARD = ""  # prefetch trigger meaning "as soon as backward starts"
+UNPACKED = "#unpacked"  # suffix of the Schedule key of a packed tensor's unpacked bytes in backward
 
 
 class Decision(str, Enum):
@@ -63,6 +68,10 @@ class Plan:
     # checkpointed blocks (DeepSpeed, Megatron) pays for them. The simulator charges them; the
     # runtime executor skips them (it re-runs only what rebuilds a RECOMPUTE tensor).
     replay: tuple[str, ...] = ()
+    # PACK: kept or swapped activations stored packed (runtime/packing.py; their bytes and copies
+    # are the packed ones, plus a packing kernel after their save and an unpacking one before their
+    # first read). Orthogonal to the decision: a packed tensor is kept or swapped packed.
+    packed: tuple[str, ...] = ()
 
     @classmethod
     def build(
@@ -77,6 +86,7 @@ class Plan:
         prefetch: Mapping[str, str] | None = None,
         blocking: bool = False,
         replay: tuple[str, ...] = (),
+        packed: tuple[str, ...] = (),
     ) -> "Plan":
         """A checked plan; swapped keys without an explicit trigger prefetch at the end of forward."""
         prefetch = dict(prefetch or {})
@@ -93,6 +103,7 @@ class Plan:
             planner_version=planner_version,
             blocking=blocking,
             replay=tuple(sorted(set(replay))),
+            packed=tuple(sorted(set(packed))),
         )
         plan.check(profile)
         return plan
@@ -101,12 +112,14 @@ class Plan:
                 prefetch: Mapping[str, str] | None = None) -> "Plan":
         """This plan for `profile` (the same step measured again, or a profile with some tensors made
         unrecomputable), with `decisions` or `prefetch` replaced where given; budget, hardware,
-        planner and blocking kept. Checked like any plan."""
-        return Plan.build(profile, self.decision if decisions is None else decisions, budget_bytes=self.budget_bytes,
+        planner and blocking kept (and the packing of what is still kept or swapped). Checked like any plan."""
+        decisions = self.decision if decisions is None else decisions
+        packed = tuple(k for k in self.packed if decisions.get(k) in (Decision.KEEP, Decision.SWAP))
+        return Plan.build(profile, decisions, budget_bytes=self.budget_bytes,
                           hardware_digest=self.hardware_digest, planner=self.planner,
                           planner_version=self.planner_version,
                           prefetch=self.trigger if prefetch is None else prefetch, blocking=self.blocking,
-                          replay=self.replay)
+                          replay=self.replay, packed=packed)
 
     @cached_property
     def decision(self) -> dict[str, Decision]:
@@ -118,6 +131,19 @@ class Plan:
 
     def keys(self, decision: Decision) -> list[str]:
         return [k for k, d in self.decisions if d is decision]
+
+    @cached_property
+    def is_packed(self) -> frozenset[str]:
+        return frozenset(self.packed)
+
+    def packed_bytes(self, profile: StepProfile) -> tuple[int, int]:
+        """(bytes of the packed activations, the bytes they are stored in)."""
+        acts = [profile.by_key[k] for k in self.packed]
+        return sum(a.bytes for a in acts), sum(a.packed_bytes for a in acts)
+
+    def stored_bytes(self, profile: StepProfile) -> dict[str, int]:
+        """Each activation's bytes as the plan stores it (packed ones packed)."""
+        return {a.key: a.packed_bytes if a.key in self.is_packed else a.bytes for a in profile.activations}
 
     def bytes_by_decision(self, profile: StepProfile) -> dict[Decision, int]:
         out = {d: 0 for d in Decision}
@@ -149,6 +175,12 @@ class Plan:
                         problems.append(f"prefetch trigger {trig!r} of {a.key!r} is not an op of the profile")
                     elif op_index[trig] <= need_op(profile, self, a.key):
                         problems.append(f"prefetch trigger {trig!r} of {a.key!r} comes after backward needs it")
+        for key in self.packed:
+            a = profile.by_key.get(key)
+            if a is None or not a.packable:
+                problems.append(f"{key!r} is packed but the profile does not mark it packable")
+            elif self.decision.get(key) not in (Decision.KEEP, Decision.SWAP):
+                problems.append(f"{key!r} is packed but not kept or swapped")
         stray = [k for k in self.replay if k not in op_index]
         if stray:
             problems.append(f"replay names {len(stray)} op(s) not in the profile, e.g. {stray[:3]}")
@@ -174,6 +206,7 @@ class Plan:
             "blocking": self.blocking,
             # only when present, so that every plan without one keeps its digest
             **({"replay": list(self.replay)} if self.replay else {}),
+            **({"packed": list(self.packed)} if self.packed else {}),
         }
 
     def canonical_json(self) -> str:
@@ -198,6 +231,7 @@ class Plan:
                 planner_version=str(d["planner_version"]),
                 blocking=_strict_bool(d.get("blocking", False)),
                 replay=tuple(sorted(str(k) for k in d.get("replay", []))),
+                packed=tuple(sorted(str(k) for k in d.get("packed", []))),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise InvalidFileError(f"malformed slackswap plan: {e!r}") from e
@@ -290,7 +324,7 @@ def lower(profile: StepProfile, plan: Plan) -> Schedule:
     copy_in_order, copy_in_id = steps.copy_in_ids(recompute_ops)
     bwd_id = steps.backward(recompute_ops, completes_at, copy_in_id)
     steps.copy_ins(copy_in_order, copy_out_id, fwd_id, bwd_id)
-    return Schedule(tuple(steps.instrs), {a.key: a.bytes for a in profile.activations}, plan)
+    return Schedule(tuple(steps.instrs), steps.sizes, plan)
 
 
 class _Lowering:
@@ -304,6 +338,10 @@ class _Lowering:
         self.swapped = [a for a in profile.activations if self.decision[a.key] is Decision.SWAP]
         self.op_index = {o.key: i for i, o in enumerate(profile.ops)}
         self.first_copy_in = -1  # set by copy_in_ids
+        self.sizes = plan.stored_bytes(profile)
+        self.packed = [profile.by_key[k] for k in plan.packed]
+        for a in self.packed:
+            self.sizes[a.key + UNPACKED] = a.bytes - a.packed_bytes  # (the packed bytes stay counted)
 
     def emit(self, ins: Instr) -> int:
         self.instrs.append(ins)
@@ -323,13 +361,16 @@ class _Lowering:
         if self.plan.blocking:
             for a in out_order:
                 fwd_waits.setdefault(a.saved_at + 1, []).append(copy_out_id[a.key])
+        packing = [0.0] * len(ops)
+        for a in self.packed:
+            packing[a.saved_at] += a.pack_s
         fwd_id = [
-            self.emit(Instr("compute", Kind.FWD, o.key, o.fwd_s, waits=tuple(fwd_waits.get(i, ())),
+            self.emit(Instr("compute", Kind.FWD, o.key, o.fwd_s + packing[i], waits=tuple(fwd_waits.get(i, ())),
                             alloc_end=tuple(saved_at.get(i, ()))))
             for i, o in enumerate(ops)
         ]
         for a in out_order:
-            self.emit(Instr("d2h", Kind.COPY_OUT, a.key, nbytes=a.bytes, waits=(fwd_id[a.saved_at],),
+            self.emit(Instr("d2h", Kind.COPY_OUT, a.key, nbytes=self.sizes[a.key], waits=(fwd_id[a.saved_at],),
                             free_end=(a.key,)))
         return fwd_id, copy_out_id
 
@@ -370,6 +411,13 @@ class _Lowering:
                 for d in a.deps:
                     if decision[d] is Decision.SWAP:
                         recompute_waits.setdefault(min(a.producers), set()).add(d)
+        # a packed tensor is unpacked where it is first needed: at its first reader's BWD, or before
+        # the first RECOMPUTE of a region whose replay reads it (keys "bwd"/"recompute", op index)
+        unpacking: dict[tuple[str, int], list[Activation]] = {}
+        for a in self.packed:
+            need = need_op(self.profile, self.plan, a.key)
+            unpacking.setdefault(("bwd", need) if need == a.first_read else ("recompute", need), []).append(a)
+            freed_after[a.freed_after].append(a.key + UNPACKED)
         bwd_waits: dict[int, list[str]] = {}
         for a in self.swapped:
             bwd_waits.setdefault(a.first_read, []).append(a.key)
@@ -379,12 +427,17 @@ class _Lowering:
         for i in range(len(ops) - 1, -1, -1):
             region = ops[i].region
             if last_op[region] == i:
+                unpacked = unpacking.get(("recompute", i), ())
                 for j in sorted(recompute_ops.get(region, ())):
                     waits = tuple(sorted(copy_in_id[k] for k in recompute_waits.get(j, ())))
-                    self.emit(Instr("compute", Kind.RECOMPUTE, ops[j].key, ops[j].fwd_s, waits=waits,
+                    self.emit(Instr("compute", Kind.RECOMPUTE, ops[j].key, ops[j].fwd_s + sum(a.pack_s for a in unpacked),
+                                    waits=waits, alloc_start=tuple(a.key + UNPACKED for a in unpacked),
                                     alloc_end=tuple(completes_at.get(j, ()))))
+                    unpacked = ()
             waits = tuple(sorted(copy_in_id[k] for k in bwd_waits.get(i, ())))
-            bwd_id[i] = self.emit(Instr("compute", Kind.BWD, ops[i].key, ops[i].bwd_s, waits=waits,
+            unpacked = unpacking.get(("bwd", i), ())
+            bwd_id[i] = self.emit(Instr("compute", Kind.BWD, ops[i].key, ops[i].bwd_s + sum(a.pack_s for a in unpacked),
+                                        waits=waits, alloc_start=tuple(a.key + UNPACKED for a in unpacked),
                                         free_end=tuple(freed_after.get(i, ()))))
         assert len(self.instrs) == self.first_copy_in, "compute instruction count mismatch"
         return bwd_id
@@ -395,15 +448,15 @@ class _Lowering:
         for a in in_order:
             trig = self.plan.trigger[a.key]
             trig_id = fwd_id[-1] if trig == END_OF_FORWARD else bwd_id[self.op_index[trig]]
-            self.emit(Instr("h2d", Kind.COPY_IN, a.key, nbytes=a.bytes, waits=(copy_out_id[a.key], trig_id),
+            self.emit(Instr("h2d", Kind.COPY_IN, a.key, nbytes=self.sizes[a.key], waits=(copy_out_id[a.key], trig_id),
                             alloc_start=(a.key,)))
 
 
 def retrigger(schedule: Schedule, profile: StepProfile, plan: Plan) -> Schedule:
     """`lower(profile, plan)` for a plan that differs from `schedule`'s only in its prefetch
     triggers: only the copy-ins' trigger waits change (planners try several trigger sets)."""
-    if (plan.decisions, plan.blocking, plan.replay) != (schedule.plan.decisions, schedule.plan.blocking,
-                                                          schedule.plan.replay):
+    if (plan.decisions, plan.blocking, plan.replay, plan.packed) != (schedule.plan.decisions, schedule.plan.blocking,
+                                                                       schedule.plan.replay, schedule.plan.packed):
         raise PlanError("retrigger needs a plan with the same decisions as the schedule's")
     ids = {(ins.kind, ins.name): i for i, ins in enumerate(schedule.instrs) if ins.stream == "compute"}
     end_of_forward = ids[Kind.FWD, profile.ops[-1].key]

@@ -37,6 +37,12 @@ from .files import read_json
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=[.:]|$)")
 
 
+def packed_size(nbytes: int, width: int) -> int:
+    """Bytes of a storage of `nbytes` in elements of `width` bytes once packed (runtime/packing.py):
+    its two bit patterns, then one bit per element."""
+    return 2 * width + -(-(nbytes // width) // 8)
+
+
 COMPILED = "compiled"  # the name of a compiled call's one opaque op (runtime/tracing.py)
 
 
@@ -77,6 +83,14 @@ class Activation:
     producers: tuple[int, ...] = ()  # op indices whose forward regenerates it; () = not recomputable
     deps: tuple[str, ...] = ()  # activations that must be present to re-run the producers
     shape: tuple[int, ...] | None = None  # as first saved (measured profiles; derive.py scales by it)
+    # PACK (packing.py): its bytes stored losslessly packed, and the seconds of one packing kernel
+    # (the unpacking one costs the same); None: not provably two-valued, never packed
+    packed_bytes: int | None = None
+    pack_s: float = 0.0
+
+    @property
+    def packable(self) -> bool:
+        return self.packed_bytes is not None
 
     @property
     def saved_at(self) -> int:
@@ -112,6 +126,9 @@ class Activation:
         }
         if self.shape is not None:  # (absent in modelled profiles: their JSON and digests unchanged)
             out["shape"] = list(self.shape)
+        if self.packed_bytes is not None:  # (likewise absent where nothing is packable)
+            out["packed_bytes"] = self.packed_bytes
+            out["pack_s"] = float(self.pack_s)
         return out
 
     @classmethod
@@ -123,6 +140,8 @@ class Activation:
             tuple(int(p) for p in d.get("producers", ())),
             tuple(str(x) for x in d.get("deps", ())),
             tuple(int(n) for n in d["shape"]) if d.get("shape") is not None else None,
+            int(d["packed_bytes"]) if d.get("packed_bytes") is not None else None,
+            float(d.get("pack_s", 0.0)),
         )
 
 
@@ -175,6 +194,8 @@ class StepProfile:
                     problems.append(f"activation {a.key!r}: dep {d!r} is saved after region {region!r}")
             if a.deps and not a.producers:
                 problems.append(f"activation {a.key!r} has deps but no producers")
+            if a.packed_bytes is not None and not (0 <= a.packed_bytes <= a.bytes and a.pack_s >= 0):
+                problems.append(f"activation {a.key!r}: packed_bytes must be in [0, bytes] and pack_s >= 0")
         if problems:
             raise ProfileError(f"profile {self.name!r} is inconsistent: " + "; ".join(problems))
 
@@ -252,6 +273,11 @@ class StepProfile:
     def total_bytes(self) -> int:
         return sum(a.bytes for a in self.activations)
 
+    @cached_property
+    def packable(self) -> tuple[str, ...]:
+        """Keys of the activations that may be packed (PACK)."""
+        return tuple(a.key for a in self.activations if a.packable)
+
     def without_recompute(self, keys) -> "StepProfile":
         """This profile with the activations `keys` made unrecomputable (kept or swapped only):
         what is left after they failed to replay exactly."""
@@ -300,6 +326,8 @@ class StepProfile:
         same shapes, so ranks can check that a plan made from another rank's profile fits theirs."""
         data = self.to_json()
         data["ops"] = [{"key": o["key"], "region": o["region"]} for o in data["ops"]]
+        for a in data["activations"]:
+            a.pop("pack_s", None)  # (a time)
         data.pop("meta")
         data.pop("name")
         return hashlib.sha256(json.dumps(data, sort_keys=True, separators=(",", ":")).encode()).hexdigest()

@@ -41,6 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..plan import Decision
 from .aten import meta_of, no_dispatch, rebuild
 from .flat import flatten_call, unflatten_call
+from .packing import unpack
 from .records import CallRecord, Detached, Entry, HeldArgument, Step, Writer
 from .compiled import dynamo_never_compiles, is_compiled
 from .replay import (Recorder, ReplayError, autocast_state, host_rng_states, rng_states, run_replay,
@@ -258,7 +259,17 @@ class LayerCalls:
             if entry.in_handle is not None:  # compute waits on the copy's event (no host sync)
                 entry.in_handle.wait_on_current()
                 entry.in_handle.check_read()
+            if entry.packed is not None:
+                self._unpacked(entry)
             return rebuild(entry.storage, meta)
+
+    def _unpacked(self, entry: Entry) -> None:
+        """PACK: the entry's storage unpacked on its first read; its device bytes are the whole
+        storage's from now on (the Schedule's UNPACKED bytes)."""
+        full = unpack(entry.packed, entry.storage)
+        self.residency.drop_resident(entry)
+        entry.nbytes, entry.storage, entry.packed = entry.packed.nbytes, full, None
+        self.residency.count_resident(entry)
 
     def captured(self, entry: Entry, tensor: torch.Tensor) -> None:
         """The replay made RECOMPUTE `entry` again (`tensor`: the op's output over its storage)."""

@@ -27,9 +27,10 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..plan import Decision
-from .aten import no_dispatch
+from .aten import bytes_of, no_dispatch
 from .calls import LayerCalls
 from .naming import activation_key, maker_of, region_of
+from .packing import pack, packable_width, unpack
 from .program import PlannedTensor
 from .records import Entry, Step, Writer
 from .residency import Residency
@@ -89,9 +90,11 @@ class Entries:
                 and st._cdata not in whole.inputs:  # saved n-th by a call replayed whole: its run again saves it n-th
             writer = Writer(whole, 0, whole.packing, None)
         decision = self._decision(step, planned, nbytes, writer)
-        # A SWAP or RECOMPUTE entry outlives its device storage: the weak reference keeps the
+        packs = planned is not None and planned.packed and decision is not Decision.RECOMPUTE \
+            and planned.nbytes == nbytes and packable_width(t.dtype)
+        # A SWAP, RECOMPUTE or packed entry outlives its device storage: the weak reference keeps the
         # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
-        ref = StorageWeakRef(st) if decision is not Decision.KEEP else None
+        ref = StorageWeakRef(st) if decision is not Decision.KEEP or packs else None
         entry = Entry(key, decision, nbytes, planned.first_read if planned else None, ref, step)
         step.live += 1
         if decision is Decision.SWAP:
@@ -103,6 +106,8 @@ class Entries:
                 call.targets[writer.op, writer.output] = entry
                 entry.call = call
                 call.live += call.returned  # saved again after the call (see `before`)
+        if packs:
+            t, st = self._pack(step, entry, t, st)
         self._place(step, entry, t, st)
         return entry
 
@@ -139,6 +144,21 @@ class Entries:
             # replay was dropped (nothing of the call was left to regenerate)
             return _to_host(step, "recompute of a tensor saved again after its layer call's replay was dropped")
         return planned.decision
+
+    @staticmethod
+    def _pack(step: Step, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage
+              ) -> tuple[torch.Tensor, torch.UntypedStorage]:
+        """PACK: the entry's storage packed (what `_place` keeps or swaps from now on), or as it was
+        where a verifying step finds that the round trip would not give its bytes back (a tensor
+        the profile marked two-valued that is not: kept or swapped unpacked, counted)."""
+        packed = pack(st, t.dtype)
+        if step.verifying and not torch.equal(unpack(packed), bytes_of(st)):
+            step.stats.fallback("packing would change it (more than two values): stored unpacked")
+            return t, st
+        buffer, packed.buffer = packed.buffer, None  # (the entry holds it as its storage or copies it out)
+        entry.packed, entry.nbytes = packed, buffer.numel()
+        step.stats.packed_bytes += packed.nbytes
+        return buffer, buffer.untyped_storage()
 
     def _place(self, step: Step, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage) -> None:
         """Carry out a new entry's decision: its bytes stay, go to host, or are let go."""

@@ -405,7 +405,7 @@ class Executor:
                 self.observer.saved(entry.key, t)
             held = entry.storage  # a new KEEP entry holds `t` detached: the same tensor serves the holder
         entry.holders += 1
-        if entry.decision is Decision.KEEP:
+        if entry.decision is Decision.KEEP and entry.packed is None:
             return Holder(self._released, entry, held if held is not None else t.detach(), (), t._version, None)
         return Holder(self._released, entry, None, meta_of(t), t._version, weakref.ref(t))
 

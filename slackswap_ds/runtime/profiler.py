@@ -142,8 +142,10 @@ def build_profile(tracer: StepTracer, name: str, arguments: dict[str, list[str]]
     activations = []
     for s in saves:
         producers, deps = ((), ()) if s.region in unseen else regen.of(s)
-        activations.append(Activation(s.key, tracer.storages[s.sid].nbytes, tuple(sorted(users[s.key])),
-                                      producers, deps, s.shape))
+        nbytes = tracer.storages[s.sid].nbytes
+        packed = s.packed_bytes if s.packed_bytes is not None and s.packed_bytes < nbytes else None
+        activations.append(Activation(s.key, nbytes, tuple(sorted(users[s.key])), producers, deps, s.shape,
+                                      packed, s.pack_s if packed is not None else 0.0))
     meta = {"source": "measured", "layers": str(len({o.region for o in ops if not is_gap(o.region)}))}
     if peak_bytes is not None:
         meta["profiled_peak_bytes"] = str(peak_bytes)

@@ -32,6 +32,7 @@ class PlannedTensor:
     nbytes: int
     first_read: int  # profile op whose backward reads it first
     writer: int | None  # the op of its layer call (index within the call) that makes it; None: not recomputable
+    packed: bool = False  # stored packed (PACK)
 
 
 class Program:
@@ -57,8 +58,8 @@ class Program:
         def writer(a: Activation) -> int | None:  # a replay's last op is the one that writes the tensor
             return max(a.producers) - first[ops[max(a.producers)].region] if a.producers else None
 
-        self.acts = {a.key: PlannedTensor(plan.decision[a.key], a.bytes, a.first_read, writer(a))
-                     for a in profile.activations}
+        self.acts = {a.key: PlannedTensor(plan.decision[a.key], a.bytes, a.first_read, writer(a),
+                                          a.key in plan.is_packed) for a in profile.activations}
         self.region_of_op = [o.region for o in ops]
         self.op_keys = {(o.region, i - first[o.region]): o.key for i, o in enumerate(ops)}
         # RECOMPUTE instructions: the ops each region's replay re-runs (indices within the region)

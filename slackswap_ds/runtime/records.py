@@ -30,6 +30,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from ..plan import Decision
 from .device import CopyHandle
 from .host_pool import HostBuffer
+from .packing import Packed
 from .program import Program
 from .stats import StepStats
 
@@ -42,7 +43,7 @@ class Entry:
     """One saved storage in one step."""
 
     __slots__ = ("key", "decision", "nbytes", "first_read", "storage", "buffer", "holders", "resident",
-                 "out_handle", "in_handle", "reached", "original", "ref", "step", "call", "watch", "changed")
+                 "out_handle", "in_handle", "reached", "original", "ref", "step", "call", "watch", "changed", "packed")
 
     def __init__(self, key: str, decision: Decision, nbytes: int, first_read: int | None,
                  ref: StorageWeakRef | None, step: Step):
@@ -59,6 +60,9 @@ class Entry:
         self.call: CallRecord | None = None  # the layer call whose replay makes it (RECOMPUTE)
         self.watch: tuple[torch.Tensor, int] | None = None  # (saved tensor, its version) while its copy-out runs
         self.changed: int | None = None  # the version it had when found changed in place during its copy-out
+        # PACK: how to unpack its storage (packing.py; `storage` / `buffer` and `nbytes` are the packed
+        # bytes until backward first reads it: calls.materialize)
+        self.packed: Packed | None = None
 
     def copied_out(self) -> None:
         """Its asynchronous copy-out has ended (or backward needs it): a saved tensor changed in place

@@ -23,6 +23,7 @@ class StepStats:
     kept_bytes: int = 0
     swapped_bytes: int = 0
     recomputed_bytes: int = 0
+    packed_bytes: int = 0  # bytes of the tensors stored packed (PACK), before packing
     ops_recomputed: int = 0
     recomputed_ops: list[str] = field(default_factory=list)  # op keys re-run by replays, in order
     unplanned_reruns: int = 0  # ops a replay had to re-run that the Schedule did not list

@@ -38,6 +38,7 @@ from ..step_profile import COMPILED
 from .aten import RuntimeMode, by_value, is_compute, mutated_args, tensors_in
 from .flat import flatten
 from .naming import op_key
+from .packing import pack, packable_width, unpack
 from .timeline import Timeline
 
 __all__ = ["StepTracer", "TracedOp", "TracedSave", "TracedStorage"]
@@ -54,6 +55,7 @@ class TracedOp:
     reads: list[int] = field(default_factory=list)  # storage ids
     writes: list[int] = field(default_factory=list)  # storage ids, one per tensor output
     inplace: bool = False
+    overload: str = ""  # e.g. "Scalar" for div_.Scalar
     opaque: bool = False  # a compiled layer's call: timed whole, its inside unseen (compiled.py)
 
     @property
@@ -68,6 +70,7 @@ class TracedStorage:
     producer: int | None  # op that created it; None: made outside the traced ops (inputs, constants)
     writers: list[int] = field(default_factory=list)  # the producer, then any in-place writers
     by_value: bool = False  # a tiny result a replay record keeps by value (aten.by_value)
+    partial: bool = False  # an in-place writer wrote only part of it
 
 
 @dataclass
@@ -80,10 +83,15 @@ class TracedSave:
     ops_before: int  # ops traced when it was first packed
     shape: tuple[int, ...] = ()  # the tensor's, as first packed
     users: set[int] = field(default_factory=set)  # ops whose backward unpacked it
+    packed_bytes: int | None = None  # PACK: its bytes packed, if it is two-valued by construction
+    pack_s: float = 0.0  # the packing and unpacking kernels' mean time, measured on it
     read: bool = False  # backward unpacked it (whether or not its reader was bound to an op)
 
 
 _DYNAMO_WRAPPERS = os.path.join("_dynamo", "eval_frame.py")  # where compile_wrapper is defined
+
+
+_FRESH = ("empty_like", "empty", "new_empty", "empty_strided")  # new storages, every element unset
 
 
 def _in_backward() -> bool:
@@ -161,6 +169,8 @@ class StepTracer(RuntimeMode):
         # a storage first seen inside a compiled call was made by it: running the call again makes it again
         made_by = self._opaque[0].index if self._opaque is not None else None
         save = TracedSave(key, self.region(), self._sid_of(t, made_by), len(self.ops), tuple(t.shape))
+        if self._two_valued(t, save.sid):
+            save.packed_bytes, save.pack_s = self._time_packing(t)
         self.saves.append(save)
         self._save_of[key] = save
 
@@ -176,6 +186,28 @@ class StepTracer(RuntimeMode):
             op = self._node_op.get(id(node))
             if op is not None:
                 save.users.add(op)
+
+    # ---- PACK (packing.py) ----------------------------------------------------------------------------
+    def _two_valued(self, t: torch.Tensor, sid: int) -> bool:
+        """Whether the saved storage holds at most two bit patterns by the ops that made it: a bool
+        tensor, or dropout's noise on the CPU (a fresh tensor filled by `bernoulli_`, then scaled
+        in place by scalars: every element 0 or 1/(1-p))."""
+        if not packable_width(t.dtype) or t.is_meta:
+            return False
+        if t.dtype is torch.bool:
+            return True
+        st = self.storages[sid]
+        ops = [self.ops[w] for w in st.writers]
+        return (not st.partial and len(ops) >= 2 and ops[0].name in _FRESH and ops[1].name == "bernoulli"
+                and ops[1].inplace and all(o.inplace and o.name in ("mul", "div") and o.overload == "Scalar"
+                                           for o in ops[2:]))
+
+    def _time_packing(self, t: torch.Tensor) -> tuple[int, float]:
+        """(packed bytes, mean seconds of the packing and unpacking kernels) on the saved storage."""
+        st = t.untyped_storage()
+        start = self.timer()
+        unpack(packed := pack(st, t.dtype))
+        return packed.buffer.numel(), (self.timer() - start) / 2
 
     # ---- compiled layers (compiled.py): one opaque op per call ----------------------------------------
     def opaque_begin(self, args, kwargs) -> None:
@@ -294,7 +326,7 @@ class StepTracer(RuntimeMode):
         local = self._counts.get(region, 0)
         self._counts[region] = local + 1
         op = TracedOp(len(self.ops), region, local, func.overloadpacket.__name__.strip("_"),
-                      inplace=bool(mutated_args(func)))
+                      inplace=bool(mutated_args(func)), overload=func._overloadname)
         inputs = [t for t in tensors_in(args, kwargs) if not t.is_meta]
         if not _reads_only_shapes(op.name):
             op.reads = [self._sid_of(t) for t in inputs]
@@ -313,6 +345,8 @@ class StepTracer(RuntimeMode):
             if st._cdata in in_storages:  # in place (or out=): the storage keeps its id, this op rewrote it
                 sid = self._sid_of(t)
                 self.storages[sid].writers.append(op.index)
+                if t.numel() * t.element_size() != st.nbytes():
+                    self.storages[sid].partial = True
             else:
                 sid = len(self.storages)
                 self.storages[sid] = TracedStorage(sid, st.nbytes(), op.index, [op.index],

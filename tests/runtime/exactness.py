@@ -98,11 +98,13 @@ def profile(model: nn.Module, step_fn: Callable, batch: Any, seed: int = 1, **kw
 
 
 def random_plan(profile: StepProfile, seed: int, budget_bytes: int | None = None) -> Plan:
+    """Seeded random fates, and about two thirds of the packable kept or swapped tensors packed (PACK)."""
     rng = random.Random(seed)
     decisions = {a.key: rng.choice([Decision.KEEP, Decision.SWAP] + [Decision.RECOMPUTE] * a.recomputable)
                  for a in profile.activations}
+    packed = [k for k in profile.packable if decisions[k] is not Decision.RECOMPUTE and rng.random() < 2 / 3]
     return Plan.build(profile, decisions, budget_bytes=profile.total_bytes if budget_bytes is None else budget_bytes,
-                      hardware_digest="any", planner="random")
+                      hardware_digest="any", planner="random", packed=packed)
 
 
 def without_caches(model: nn.Module) -> nn.Module:

@@ -1,0 +1,86 @@
+"""PACK: a saved storage whose elements take at most two bit patterns, stored in one bit per element.
+
+Dropout leaves such tensors behind: CUDA's `native_dropout` saves a bool mask (one byte per
+element), CPU dropout its float noise, every value 0 or 1/(1-p) (four bytes). The profile marks
+them by the ops that made them, never by their values (profiler.py, `two_valued`); packing then
+stores, in one uint8 buffer on the tensor's device,
+
+    [ the first element's bit pattern | the other pattern | one bit per element: 1 = the other ]
+
+and unpacking writes every element's pattern back. Both compare and select whole bit patterns (the
+elements viewed as integers of their width), so the round trip is exact by construction: -0.0,
+NaN payloads and bool bytes come back as they were. A storage with a third pattern cannot be
+packed; the verifying step checks the round trip (entries.py) so that a mark made wrongly costs
+memory, never correctness.
+
+Each way is one memory-bound pass over the storage on the compute stream (the planners charge
+`Activation.pack_s` each way).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..step_profile import packed_size
+
+__all__ = ["Packed", "pack", "packed_size", "unpack"]
+
+_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_BIT = {}  # device -> the weights 1, 2, 4, ..., 128 (uint8)
+
+
+class Packed:
+    """A packed storage: the buffer, and how to unpack it (element width and count, storage bytes)."""
+
+    __slots__ = ("buffer", "width", "count", "nbytes")
+
+    def __init__(self, buffer: torch.Tensor, width: int, count: int, nbytes: int):
+        self.buffer, self.width, self.count, self.nbytes = buffer, width, count, nbytes
+
+
+def _bits(device: torch.device) -> torch.Tensor:
+    bits = _BIT.get(device)
+    if bits is None:
+        bits = _BIT[device] = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8, device=device)
+    return bits
+
+
+def packable_width(dtype: torch.dtype) -> bool:
+    return dtype.itemsize in _BY_WIDTH
+
+
+@torch.no_grad()
+def pack(st: torch.UntypedStorage, dtype: torch.dtype) -> Packed:
+    """Storage `st` (of `dtype` elements) packed; the caller has made sure it is two-valued."""
+    width = dtype.itemsize
+    nbytes = st.nbytes()
+    count = nbytes // width
+    values = torch.empty(0, dtype=_BY_WIDTH[width], device=st.device).set_(st, 0, (count,), (1,))
+    out = torch.empty(packed_size(nbytes, width), dtype=torch.uint8, device=st.device)
+    pair = out[:2 * width].view(values.dtype)
+    if count == 0:
+        return Packed(out, width, 0, nbytes)
+    other = values != values[0]
+    pair[0] = values[0]
+    pair[1] = values[other.view(torch.uint8).argmax()]  # the first other pattern (the first one if none)
+    bits = other
+    if count % 8:
+        bits = torch.cat([other, other.new_zeros(8 - count % 8)])
+    torch.sum(bits.view(-1, 8).view(torch.uint8) * _bits(st.device), dim=1, dtype=torch.uint8,
+              out=out[2 * width:])
+    return Packed(out, width, count, nbytes)
+
+
+@torch.no_grad()
+def unpack(packed: Packed, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    """The storage's bytes again, as a flat uint8 tensor on the buffer's device (`buffer`: the
+    packed bytes where they are now, e.g. copied back in; default: `packed.buffer`)."""
+    buffer = packed.buffer if buffer is None else buffer
+    width, count = packed.width, packed.count
+    pair = buffer[:2 * width].view(_BY_WIDTH[width])
+    out = torch.empty(packed.nbytes, dtype=torch.uint8, device=buffer.device)
+    if count == 0:
+        return out
+    other = (buffer[2 * width:].unsqueeze(1) & _bits(buffer.device)).ne(0).view(-1)[:count]
+    torch.where(other, pair[1], pair[0], out=out.view(pair.dtype))
+    return out
