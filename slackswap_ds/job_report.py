@@ -101,9 +101,9 @@ class StepReports:
         self.events.update(e.value for e in events if e.name in TALLIED)
 
     def step(self, plan: Plan, prediction: Prediction, peak_bytes: int, fallbacks: Mapping[str, int],
-             shapes: str = "", keep_all: int | None = None, moved: tuple[int, int] = (0, 0),
+             shapes: str = "", keep_all: int | None = None, moved: tuple[int, int, int] = (0, 0, 0),
              events: Iterable = (), budget_waits: int = 0, hooks_host_s: float = 0.0) -> None:
-        """A planned step ended (`moved`: its swapped and recomputed bytes; `events`: its lifecycle
+        """A planned step ended (`moved`: its swapped, recomputed and packed bytes; `events`: its lifecycle
         transitions; `budget_waits`: copy-outs the host waited for to stay within the budget;
         `hooks_host_s`: host seconds in SlackSwap's hooks, against the plan's predicted kernel time). Each
         step's peak is held against its own plan's budget: the report names the step closest to (or
@@ -266,7 +266,7 @@ class JobSummary:
 
     def step(self, kind: str, seconds: float | None, peak_bytes: int, fallbacks: Mapping[str, int],
              plan: Plan | None = None, shapes: str = "", keep_all: int | None = None,
-             moved: tuple[int, int] = (0, 0), budget_waits: int = 0) -> None:
+             moved: tuple[int, int, int] = (0, 0, 0), budget_waits: int = 0) -> None:
         self.counts[kind] += 1
         self.budget_waits += budget_waits
         if seconds is not None:
@@ -276,7 +276,8 @@ class JobSummary:
         if plan is None:
             return
         self.over_budget += peak_bytes > plan.budget_bytes
-        row = self.shapes.setdefault(shapes, {"steps": 0, "peak_bytes": 0, "swapped_bytes": 0, "recomputed_bytes": 0})
+        row = self.shapes.setdefault(shapes, {"steps": 0, "peak_bytes": 0, "swapped_bytes": 0, "recomputed_bytes": 0,
+                                              "packed_bytes": 0})
         if row.get("plan") != plan.digest[:12]:  # the row's peak is held against its plan's budget: a new plan's own
             row["peak_bytes"] = 0
         row.update(plan=plan.digest[:12], planner=plan.planner, budget_bytes=plan.budget_bytes,
@@ -285,11 +286,13 @@ class JobSummary:
         row["peak_bytes"] = max(row["peak_bytes"], peak_bytes)
         row["swapped_bytes"] += moved[0]
         row["recomputed_bytes"] += moved[1]
+        row["packed_bytes"] += moved[2]
 
     def data(self, **counters: int) -> dict:
         """The summary as JSON-ready data (`counters`: the runtime's own, profiled steps and derived plans)."""
         shapes = [{"shapes": key, **row, "swapped_bytes_per_step": row["swapped_bytes"] // row["steps"],
-                   "recomputed_bytes_per_step": row["recomputed_bytes"] // row["steps"]}
+                   "recomputed_bytes_per_step": row["recomputed_bytes"] // row["steps"],
+                   "packed_bytes_per_step": row["packed_bytes"] // row["steps"]}
                   for key, row in self.shapes.items()]
         return {"steps": {kind: self.counts[kind] for kind in KINDS}, **counters,
                 "median_step_ms": {kind: round(1e3 * statistics.median(t), 3) for kind, t in self.times.items() if t},
@@ -348,7 +351,7 @@ def say_summary(data: dict, path: str | None) -> None:
         lines.append(f"input shapes {row['shapes']}: plan {row['plan']} ({row['planner']}), {row['steps']} steps, "
                      f"peak {row['peak_bytes']:,} B of budget {row['budget_bytes']:,} B (keep-all "
                      f"{row['keep_all_bytes'] or 0:,} B), per step swapped {row['swapped_bytes_per_step']:,} B, "
-                     f"recomputed {row['recomputed_bytes_per_step']:,} B")
+                     f"recomputed {row['recomputed_bytes_per_step']:,} B, packed {row['packed_bytes_per_step']:,} B")
     if len(shapes) > 8:
         lines.append(f"... and {len(shapes) - 8} more input shapes" + (f" (all in {path})" if path else ""))
     if data.get("device_type") == "cuda" and "hooks_host_ms" in data:  # (on a CPU, kernels are host time too)

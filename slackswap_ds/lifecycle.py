@@ -74,7 +74,7 @@ class Step:
     planned: ShapeKey | None = None  # the shapes of its micro-batches run under a plan
     most_open: int = 0  # micro-batches open at once, at most (a stage's micro-batches in flight)
     peak: int = 0  # device bytes of saved tensors, over every micro-batch in flight
-    moved: tuple[int, int] = (0, 0)  # bytes swapped and recomputed under its plan
+    moved: tuple[int, int, int] = (0, 0, 0)  # bytes swapped, recomputed and packed under its plan
     fallbacks: collections.Counter = field(default_factory=collections.Counter)
     budget_waits: int = 0  # copy-outs the host waited for so that saves stayed within the budget
     hooks_host_s: float = 0.0  # host seconds in SlackSwap's saved-tensor hooks (replays excluded)
@@ -101,7 +101,8 @@ class Step:
         self.budget_waits += stats.budget_waits
         self.hooks_host_s += stats.hooks_host_s
         if executor.plan is not None:
-            self.moved = (self.moved[0] + stats.swapped_bytes, self.moved[1] + stats.recomputed_bytes)
+            self.moved = (self.moved[0] + stats.swapped_bytes, self.moved[1] + stats.recomputed_bytes,
+                          self.moved[2] + stats.packed_bytes)
         return stats
 
     def close_unfinished(self) -> None:

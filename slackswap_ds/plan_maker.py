@@ -389,12 +389,16 @@ def checkpointing_held(profile: StepProfile, hw: Hardware, holds: int = 1) -> in
 
 
 def fate_bytes(plan: Plan, profile: StepProfile) -> str:
-    """`keep X B, swap Y B, recompute Z B` of a plan, as the plan lines say it."""
+    """`keep X B, swap Y B, recompute Z B, packed N B into M B` of a plan, as the plan lines say it
+    (kept and swapped bytes before packing; `packed`, where the profile has packable tensors: the
+    kept or swapped ones stored packed, and the bytes they are stored in)."""
     from .plan import Decision
 
     split = plan.bytes_by_decision(profile)
+    packed, stored = plan.packed_bytes(profile)
     return (f"keep {split[Decision.KEEP]:,} B, swap {split[Decision.SWAP]:,} B, "
-            f"recompute {split[Decision.RECOMPUTE]:,} B")
+            f"recompute {split[Decision.RECOMPUTE]:,} B"
+            + (f", packed {packed:,} B into {stored:,} B" if profile.packable else ""))
 
 
 __all__ = ["Agreed", "FALLBACK_PLANNERS", "PlanMaker", "checkpointing_held", "fate_bytes"]

@@ -401,7 +401,8 @@ def plan_summary(planner: str, plan: Plan, profile: StepProfile, where: str, bud
     return (
         f"{planner} plan for {profile.name} on {where}, budget {budget} = {gb(budget_bytes)}: "
         f"keep {count[Decision.KEEP]} ({gb(by[Decision.KEEP])}), swap {count[Decision.SWAP]} "
-        f"({gb(by[Decision.SWAP])}), recompute {count[Decision.RECOMPUTE]} ({gb(by[Decision.RECOMPUTE])}); "
+        f"({gb(by[Decision.SWAP])}), recompute {count[Decision.RECOMPUTE]} ({gb(by[Decision.RECOMPUTE])}), "
+        f"packed {len(plan.packed)} ({gb(plan.packed_bytes(profile)[0])}); "
         f"simulated {100 * result.throughput:.1f}% of ideal, peak {gb(result.peak_bytes)}"
         f"{'' if result.feasible else ' (OVER BUDGET)'}; digest {plan.digest[:12]} -> {output}"
     )

@@ -382,3 +382,18 @@ def test_zero3_recompute_quick_sets_swap_only_beside_recompute(tmp_path, capsys)
         assert "pct" not in swap or swap["pct"] <= both["pct"] + 0.01  # fewer choices: never better
     out = capsys.readouterr().out
     assert "swap-only" in out and out.count("gpt2-xl") == 2
+
+
+def test_pack_choice_quick_prints_both_plans_and_the_one_kept(tmp_path, capsys):
+    """The README job's model on 2 layers: the plan without packing, the packing plan and what the
+    default planner keeps (its packed bytes where it keeps the packing plan). Which one is faster
+    depends on this machine's measured kernel times: not asserted."""
+    from benchmarks import pack_choice
+
+    out = tmp_path / "rows.json"
+    assert pack_choice.main(["--quick", "--budgets", "0.4,0.5", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "packable" in printed and "default keeps" in printed
+    for row in json.loads(out.read_text()):
+        assert row["kept"] in ("packing", "without") and row["without_ms"] > 0
+        assert (row["packed_bytes"] > 0) is (row["kept"] == "packing")

@@ -31,8 +31,8 @@ def test_the_summary_counts_steps_by_kind_and_planned_steps_per_shape():
     plan = a_plan()
     summary.step("warm-up", None, 10, {})
     summary.step("profiled", 0.5, 20, {"host pool exhausted: kept": 1})
-    summary.step("planned", 0.2, 30, {}, plan, "[(2, 8)]", 60, (8, 4))
-    summary.step("planned", 0.4, 50, {}, plan, "[(2, 8)]", 60, (8, 0))  # over its plan's 40 B
+    summary.step("planned", 0.2, 30, {}, plan, "[(2, 8)]", 60, (8, 4, 6))
+    summary.step("planned", 0.4, 50, {}, plan, "[(2, 8)]", 60, (8, 0, 0))  # over its plan's 40 B
     data = summary.data(profiled_steps=1, derived_plans=0)
     assert data == {
         "steps": {"warm-up": 1, "profiled": 1, "planned": 2, "shelter": 0}, "profiled_steps": 1, "derived_plans": 0,
@@ -40,8 +40,9 @@ def test_the_summary_counts_steps_by_kind_and_planned_steps_per_shape():
         "peak_saved_bytes": {"warm-up": 10, "profiled": 20, "planned": 50},
         "planned_steps_over_budget": 1, "budget_waits": 0, "fallbacks": {"host pool exhausted: kept": 1},
         "shapes": [{"shapes": "[(2, 8)]", "steps": 2, "peak_bytes": 50, "swapped_bytes": 16, "recomputed_bytes": 4,
-                    "plan": plan.digest[:12], "planner": "slackswap", "budget_bytes": 40, "keep_all_bytes": 60,
-                    "swapped_bytes_per_step": 8, "recomputed_bytes_per_step": 2}]}
+                    "packed_bytes": 6, "plan": plan.digest[:12], "planner": "slackswap", "budget_bytes": 40,
+                    "keep_all_bytes": 60, "swapped_bytes_per_step": 8, "recomputed_bytes_per_step": 2,
+                    "packed_bytes_per_step": 3}]}
 
 
 def test_a_shapes_row_holds_the_peak_of_its_latest_plan_against_that_plans_budget():
@@ -83,7 +84,7 @@ def test_the_summary_is_said_and_written_once(tmp_path, caplog):
     report = reports(summary_file=str(path))
     assert report.end_of_job() is None and not path.exists()  # no step ran
     report.unplanned("warm-up", 10, {})
-    report.step(a_plan(), Prediction(0.9, 0.012, 35), 30, {}, "[(2, 8)]", 60, (8, 4))
+    report.step(a_plan(), Prediction(0.9, 0.012, 35), 30, {}, "[(2, 8)]", 60, (8, 4, 0))
     with caplog.at_level(logging.INFO, logger="slackswap_ds"):
         data = report.end_of_job(profiled_steps=1, derived_plans=0)
     assert json.loads(path.read_text()) == data and report.end_of_job() is None

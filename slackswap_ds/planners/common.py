@@ -115,11 +115,12 @@ class RegionModel:
         return self.hw.copy_latency_s + nbytes / bps
 
 
-def draft_schedule(profile: StepProfile, decisions: dict[str, Decision], replay: tuple[str, ...] = ()) -> Schedule:
+def draft_schedule(profile: StepProfile, decisions: dict[str, Decision], replay: tuple[str, ...] = (),
+                   packed: tuple[str, ...] = ()) -> Schedule:
     """The schedule of `decisions` with every prefetch at the end of forward: its compute stream is
     the plan's whatever the triggers (they only change copy-in waits; see plan.retrigger)."""
     return lower(profile, Plan.build(profile, decisions, budget_bytes=0, hardware_digest="", planner="draft",
-                                     replay=replay))
+                                     replay=replay, packed=packed))
 
 
 def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hardware, share: Share,
@@ -155,13 +156,13 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
                 k = sch.instrs[w].name
                 need_time[k] = min(need_time[k], start[i])
     # Walk the H2D queue from its end, in exactly the lowering's order (copies run FIFO).
-    order = [sch.instrs[i].name for i in reversed(sch.stream("h2d"))]
+    order = [(sch.instrs[i].name, sch.instrs[i].nbytes) for i in reversed(sch.stream("h2d"))]
     rate = share.h2d(hw)
     triggers, next_start = {}, math.inf
     ends = [e for e, _ in bwd_end]
-    for k in order:
+    for k, nbytes in order:
         finish = min(need_time[k], next_start)
-        begin = finish - (hw.copy_latency_s + profile.by_key[k].bytes / rate)
+        begin = finish - (hw.copy_latency_s + nbytes / rate)
         next_start = begin
         j = bisect.bisect_right(ends, begin + 1e-15) - 1 - lead  # last backward op ending by `begin`
         need = need_time[k]
@@ -263,21 +264,22 @@ LEADS = (0, 1, 2, 4)  # prefetch trigger margins (backward ops) tried when prefe
 
 def best_triggers(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardware, budget_bytes: int,
                   share: Share, planner: str, version: str = "1",
-                  replay: tuple[str, ...] = (), holds: int = 1) -> tuple[Planned | None, int]:
+                  replay: tuple[str, ...] = (), holds: int = 1,
+                  packed: tuple[str, ...] = ()) -> tuple[Planned | None, int]:
     """The fastest feasible plan over the prefetch margins in LEADS (stopping at the first that
     does not stall compute), or (None, overshoot in bytes of the latest margin tried). With
     `holds` > 1 the other micro-batches' kept bytes count against the budget too."""
     best: Planned | None = None
     overshoot = 0
-    held = held_bytes(profile, decisions, holds)
+    held = held_bytes(profile, decisions, holds, packed)
     rank_hw = share.limit(hw)
     draft = None
     if any(d is Decision.SWAP for d in decisions.values()):
-        draft = draft_schedule(profile, decisions, replay)
+        draft = draft_schedule(profile, decisions, replay, packed)
     for lead in LEADS if draft is not None else (0,):
         triggers = alap_triggers(profile, decisions, hw, share, lead=lead, draft=draft)
         plan = Plan.build(profile, decisions, budget_bytes=budget_bytes, hardware_digest=hw.digest, planner=planner,
-                          planner_version=version, prefetch=triggers, replay=replay)
+                          planner_version=version, prefetch=triggers, replay=replay, packed=packed)
         schedule = retrigger(draft, profile, plan) if draft is not None else lower(profile, plan)
         res = simulate(schedule, rank_hw, budget_bytes=plan.budget_bytes - held, record=False)
         if not res.feasible:
@@ -304,17 +306,21 @@ def finalize(profile: StepProfile, decisions: dict[str, Decision], *, hw: Hardwa
     return planned
 
 
-def held_bytes(profile: StepProfile, decisions: Mapping[str, Decision], holds: int) -> int:
+def held_bytes(profile: StepProfile, decisions: Mapping[str, Decision], holds: int,
+               packed: tuple[str, ...] = ()) -> int:
     """What the other `holds` - 1 micro-batches a pipeline stage holds keep on the device while one
-    runs its backward: their kept bytes (module docstring)."""
-    return (holds - 1) * sum(a.bytes for a in profile.activations if decisions[a.key] is Decision.KEEP)
+    runs its backward: their kept bytes (module docstring; packed ones packed)."""
+    if holds == 1:
+        return 0
+    return (holds - 1) * sum(a.packed_bytes if a.key in packed else a.bytes for a in profile.activations
+                             if decisions[a.key] is Decision.KEEP)
 
 
 def simulated(profile: StepProfile, plan: Plan, hw: Hardware, share: Share = PRIVATE, holds: int = 1) -> Planned:
     """A plan no planner made here (read from a plan file, written by hand) lowered and simulated
     once, as a planner's plan is: whoever installs it takes the lowering and the simulation from here,
     and `result.feasible` says whether it keeps its budget."""
-    held = held_bytes(profile, plan.decision, holds)
+    held = held_bytes(profile, plan.decision, holds, plan.is_packed)
     schedule = lower(profile, plan)
     return Planned(plan, schedule, simulate(schedule, share.limit(hw), budget_bytes=plan.budget_bytes - held,
                                             record=False), held)
@@ -335,7 +341,7 @@ def fit_triggers(profile: StepProfile, planned: Planned, hw: Hardware, device: H
     if simulate(planned.schedule, share.limit(device), budget_bytes=budget_left, record=False).feasible:
         return planned
     decisions = dict(plan.decision)
-    draft = draft_schedule(profile, decisions, plan.replay)
+    draft = draft_schedule(profile, decisions, plan.replay, plan.packed)
     fitted = plan.rebuilt(profile, prefetch=alap_triggers(profile, decisions, device, share, draft=draft))
     schedule = retrigger(draft, profile, fitted)
     return Planned(fitted, schedule, simulate(schedule, share.limit(hw), budget_bytes=budget_left, record=False),

@@ -24,6 +24,8 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
    prefetches stall compute, try earlier triggers; keep the fastest feasible plan.
 6. Refine (refine.py). The region model's MILP within a wall-clock budget; the faster simulated
    plan of the two is kept. Steps 1-5 alone are the `slackswap-greedy` planner.
+7. Pack (packing.py). Where the profile has packable tensors, steps 1-6 run again on its packed
+   view and the plan packs what the budget needs; the faster simulated plan is kept.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ from ..plan import Decision
 from ..shares import PRIVATE, Share
 from ..step_profile import StepProfile
 from .common import Planned, RegionModel, keep_all, region_peaks, release, repair
-from .refine import refined
+from .packing import with_packing
+from .refine import refined, search_budget_s
 
-NAME, VERSION = "slackswap", "4"
+NAME, VERSION = "slackswap", "5"
 GREEDY = "slackswap-greedy"
 
 
@@ -49,12 +52,37 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
                    holds: int = 1) -> Planned:
     """Steps 1-5, then the exact refinement (refine.py): the region model's optimum where the MILP
     finds it within REFINE_BUDGET_S, else the better of its best plan so far and steps 1-5's."""
+    if not profile.packable:
+        return _searched(profile, hw, budget_bytes, share, holds)
+    # with packable tensors (PACK, planners/packing.py) the exact search's time is split between the
+    # plan without packing and the one on the packed view; the faster simulated plan is kept (ties:
+    # the one without packing, which runs no packing kernels)
+    budget_s = search_budget_s() / 2
+    try:
+        plain = _searched(profile, hw, budget_bytes, share, holds, budget_s)
+    except BudgetInfeasibleError:
+        plain = None  # (packing may fit where nothing else does)
+    if plain is not None and plain.found == "greedy-ideal":
+        return plain  # as fast as keeping everything: packing cannot gain
+    packed = with_packing(profile, hw, budget_bytes, share, holds,
+                          lambda view, target: _searched(view, hw, target, share, holds, budget_s),
+                          planner=NAME, version=VERSION)
+    if plain is None:
+        if packed is None:
+            raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B, with or without packing")
+        return packed
+    return packed if packed is not None and packed.result.step_s < plain.result.step_s else plain
+
+
+def _searched(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, holds: int,
+              budget_s: float | None = None) -> Planned:
+    """Steps 1-5, then step 6 within `budget_s` seconds (default: refine.search_budget_s())."""
     model = RegionModel(profile, hw, share, holds)
     try:
         greedy = _greedy(model, budget_bytes, NAME)
     except BudgetInfeasibleError:
         greedy = None
-    return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION)
+    return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, budget_s=budget_s)
 
 
 def plan_slackswap_greedy(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,

@@ -60,6 +60,8 @@ class Entries:
         self.residency, self.swaps, self.verifier, self.calls = residency, swaps, verifier, calls
         self.released = released  # entries whose holders died, oldest first
         self.keep_bytes = keep_bytes  # without a plan: saves kept on the device up to this
+        self.packs_checked: set[str] = set()  # keys whose packing's round trip was checked (`_pack`)
+        self.not_two_valued: set[str] = set()  # ... and found to change their bytes
 
     # ---- save ---------------------------------------------------------------------------------
     def new(self, step: Step, label: str, t: torch.Tensor, st: torch.UntypedStorage,
@@ -92,6 +94,9 @@ class Entries:
         decision = self._decision(step, planned, nbytes, writer)
         packs = planned is not None and planned.packed and decision is not Decision.RECOMPUTE \
             and planned.nbytes == nbytes and packable_width(t.dtype)
+        if packs and key in self.not_two_valued:
+            packs = False
+            step.stats.fallback("packed before and found more than two-valued: stored unpacked")
         # A SWAP, RECOMPUTE or packed entry outlives its device storage: the weak reference keeps the
         # storage's address (its cdata, the by_storage key) from going to a new storage meanwhile.
         ref = StorageWeakRef(st) if decision is not Decision.KEEP or packs else None
@@ -145,16 +150,19 @@ class Entries:
             return _to_host(step, "recompute of a tensor saved again after its layer call's replay was dropped")
         return planned.decision
 
-    @staticmethod
-    def _pack(step: Step, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage
+    def _pack(self, step: Step, entry: Entry, t: torch.Tensor, st: torch.UntypedStorage
               ) -> tuple[torch.Tensor, torch.UntypedStorage]:
-        """PACK: the entry's storage packed (what `_place` keeps or swaps from now on), or as it was
-        where a verifying step finds that the round trip would not give its bytes back (a tensor
-        the profile marked two-valued that is not: kept or swapped unpacked, counted)."""
+        """PACK: the entry's storage packed (what `_place` keeps or swaps from now on). The first
+        packing of each key is checked: where the round trip would not give its bytes back (a
+        tensor the profile marked two-valued that is not), it is kept or swapped unpacked, counted,
+        and never packed again by this executor."""
         packed = pack(st, t.dtype)
-        if step.verifying and not torch.equal(unpack(packed), bytes_of(st)):
-            step.stats.fallback("packing would change it (more than two values): stored unpacked")
-            return t, st
+        if entry.key not in self.packs_checked:
+            self.packs_checked.add(entry.key)
+            if not torch.equal(unpack(packed), bytes_of(st)):
+                step.stats.fallback("packing would change it (more than two values): stored unpacked")
+                self.not_two_valued.add(entry.key)
+                return t, st
         buffer, packed.buffer = packed.buffer, None  # (the entry holds it as its storage or copies it out)
         entry.packed, entry.nbytes = packed, buffer.numel()
         step.stats.packed_bytes += packed.nbytes

@@ -1,4 +1,4 @@
-"""Run training steps under a Plan: keep, swap or recompute each saved tensor, exactly.
+"""Run training steps under a Plan: keep, swap or recompute each saved tensor (packed or not), exactly.
 
 `executor_for(model, plan, profile)` lowers the plan to its Schedule (plan.py) and returns an `Executor`,
 a context manager: every step run inside follows the Schedule, read through its `Program`
@@ -25,6 +25,8 @@ Autograd gets a small holder instead of the tensor:
   the copy ends.
 * RECOMPUTE: the holder holds nothing; the layer call that made the tensor is replayed in
   backward.
+* PACK (a kept or swapped entry the plan packs): its storage is packed first (packing.py), and
+  the packed bytes are kept or swapped; the first read unpacks them (calls.materialize).
 
 Parameters and buffers, tensors on another device than the model's (attention kernels' CPU seeds,
 counted apart), tensor subclasses, and saves made in backward or in an eval-mode forward are left

@@ -10,8 +10,8 @@ stores, in one uint8 buffer on the tensor's device,
 and unpacking writes every element's pattern back. Both compare and select whole bit patterns (the
 elements viewed as integers of their width), so the round trip is exact by construction: -0.0,
 NaN payloads and bool bytes come back as they were. A storage with a third pattern cannot be
-packed; the verifying step checks the round trip (entries.py) so that a mark made wrongly costs
-memory, never correctness.
+packed; an executor checks the round trip of each key's first packing (entries.py) so that a mark
+made wrongly costs memory, never correctness.
 
 Each way is one memory-bound pass over the storage on the compute stream (the planners charge
 `Activation.pack_s` each way).
@@ -19,6 +19,7 @@ Each way is one memory-bound pass over the storage on the compute stream (the pl
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..step_profile import packed_size
@@ -63,6 +64,9 @@ def pack(st: torch.UntypedStorage, dtype: torch.dtype) -> Packed:
     other = values != values[0]
     pair[0] = values[0]
     pair[1] = values[other.view(torch.uint8).argmax()]  # the first other pattern (the first one if none)
+    if other.is_cpu:  # (NumPy's packbits: one pass in C, several times faster than the torch ops below)
+        out[2 * width:].numpy()[:] = np.packbits(other.numpy(), bitorder="little")
+        return Packed(out, width, count, nbytes)
     bits = other
     if count % 8:
         bits = torch.cat([other, other.new_zeros(8 - count % 8)])
@@ -81,6 +85,10 @@ def unpack(packed: Packed, buffer: torch.Tensor | None = None) -> torch.Tensor:
     out = torch.empty(packed.nbytes, dtype=torch.uint8, device=buffer.device)
     if count == 0:
         return out
-    other = (buffer[2 * width:].unsqueeze(1) & _bits(buffer.device)).ne(0).view(-1)[:count]
+    if buffer.is_cpu:
+        other = torch.from_numpy(np.unpackbits(buffer[2 * width:].numpy(), count=count, bitorder="little")
+                                 .view(np.bool_))
+    else:
+        other = (buffer[2 * width:].unsqueeze(1) & _bits(buffer.device)).ne(0).view(-1)[:count]
     torch.where(other, pair[1], pair[0], out=out.view(pair.dtype))
     return out

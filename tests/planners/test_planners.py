@@ -22,7 +22,7 @@ from conftest import toy_hardware  # noqa: E402
 @st.composite
 def profiles(draw):
     """Random region-structured profiles: each region saves its input (not recomputable) and a few
-    tensors recomputable from earlier tensors of the same region."""
+    tensors recomputable from earlier tensors of the same region, some of them packable."""
     ops, acts = [], []
     for r in range(draw(st.integers(1, 5))):
         region = f"layers.{r}"
@@ -37,8 +37,11 @@ def profiles(draw):
             deps = tuple(draw(st.lists(st.sampled_from(keys), max_size=2, unique=True)))
             extra_user = draw(st.integers(first + j, first + n_ops - 1))
             key = f"{region}:t{j}"
-            acts.append(Activation(key, draw(st.integers(1, 60)), tuple(sorted({first + j, extra_user})),
-                                   (producer,), deps))
+            nbytes = draw(st.integers(1, 60))
+            packable = draw(st.booleans())  # (PACK: the default planner may pack it)
+            acts.append(Activation(key, nbytes, tuple(sorted({first + j, extra_user})), (producer,), deps,
+                                   packed_bytes=draw(st.integers(0, nbytes)) if packable else None,
+                                   pack_s=draw(st.floats(0, 1)) if packable else 0.0))
             keys.append(key)
     return StepProfile("random", ops, acts)
 
