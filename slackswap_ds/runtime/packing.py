@@ -58,15 +58,18 @@ def pack(st: torch.UntypedStorage, dtype: torch.dtype) -> Packed:
     count = nbytes // width
     values = torch.empty(0, dtype=_BY_WIDTH[width], device=st.device).set_(st, 0, (count,), (1,))
     out = torch.empty(packed_size(nbytes, width), dtype=torch.uint8, device=st.device)
-    pair = out[:2 * width].view(values.dtype)
     if count == 0:
         return Packed(out, width, 0, nbytes)
-    other = values != values[0]
-    pair[0] = values[0]
-    pair[1] = values[other.view(torch.uint8).argmax()]  # the first other pattern (the first one if none)
-    if other.is_cpu:  # (NumPy's packbits: one pass in C, several times faster than the torch ops below)
-        out[2 * width:].numpy()[:] = np.packbits(other.numpy(), bitorder="little")
+    if values.is_cpu:  # NumPy: a few passes in C, without torch's per-op dispatch (several times faster here)
+        v, o = values.numpy(), out.numpy()
+        other = v != v[0]
+        o[:2 * width].view(v.dtype)[:] = (v[0], v[other.argmax()])  # the first other pattern (the first if none)
+        o[2 * width:] = np.packbits(other, bitorder="little")
         return Packed(out, width, count, nbytes)
+    other = values != values[0]
+    pair = out[:2 * width].view(values.dtype)
+    pair[0] = values[0]
+    pair[1] = values[other.view(torch.uint8).argmax()]
     bits = other
     if count % 8:
         bits = torch.cat([other, other.new_zeros(8 - count % 8)])
@@ -81,14 +84,18 @@ def unpack(packed: Packed, buffer: torch.Tensor | None = None) -> torch.Tensor:
     packed bytes where they are now, e.g. copied back in; default: `packed.buffer`)."""
     buffer = packed.buffer if buffer is None else buffer
     width, count = packed.width, packed.count
+    if count == 0:
+        return torch.empty(packed.nbytes, dtype=torch.uint8, device=buffer.device)
+    if buffer.is_cpu:
+        b = buffer.numpy()
+        first, second = b[:2 * width].view(np.dtype(f"<u{width}"))
+        # first ^ (other * (first ^ second)): each element's pattern, exact (the product is 0 or first ^ second)
+        values = np.unpackbits(b[2 * width:], count=count, bitorder="little").astype(first.dtype)
+        values *= first ^ second
+        values ^= first
+        return torch.from_numpy(values.view(np.uint8))
     pair = buffer[:2 * width].view(_BY_WIDTH[width])
     out = torch.empty(packed.nbytes, dtype=torch.uint8, device=buffer.device)
-    if count == 0:
-        return out
-    if buffer.is_cpu:
-        other = torch.from_numpy(np.unpackbits(buffer[2 * width:].numpy(), count=count, bitorder="little")
-                                 .view(np.bool_))
-    else:
-        other = (buffer[2 * width:].unsqueeze(1) & _bits(buffer.device)).ne(0).view(-1)[:count]
+    other = (buffer[2 * width:].unsqueeze(1) & _bits(buffer.device)).ne(0).view(-1)[:count]
     torch.where(other, pair[1], pair[0], out=out.view(pair.dtype))
     return out
