@@ -12,8 +12,8 @@ that would otherwise recompute dropout outputs or swap beyond the slack.
    go back to their whole bytes while the region model's peak (their stored bytes) stays within the
    budget less what the simulator saw above the model (transients); then, in the same order, while
    the simulated plan keeps its budget and is no slower.
-3. Both plans (all packed, trimmed) are lowered and simulated on the real profile; the caller
-   compares the fastest feasible one with its plan without packing (`fastest`).
+3. The plans (all packed, trimmed) are lowered and simulated on the real profile; the caller
+   (slackswap.plan_slackswap) compares the fastest feasible one with its plan without packing.
 """
 
 from __future__ import annotations
@@ -59,6 +59,11 @@ def with_packing(profile: StepProfile, hw: Hardware, budget_bytes: int, share: S
     planning on the packed view; None where nothing is packable or no such plan keeps the budget."""
     if not profile.packable:
         return None
+
+    def finalized(decisions: dict[str, Decision], keys: list[str]) -> tuple[Planned | None, int]:
+        return best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share, planner=planner,
+                             version=version, holds=holds, packed=tuple(keys))
+
     view, target = packed_view(profile), budget_bytes
     for _ in range(MAX_REPAIRS):  # the view does not see the unpacked bytes in backward: repaired as common.repair does
         try:
@@ -69,19 +74,15 @@ def with_packing(profile: StepProfile, hw: Hardware, budget_bytes: int, share: S
         packed = [k for k in profile.packable if decisions[k] is not Decision.RECOMPUTE]
         if not packed:
             return None
-
-        def finalized(keys: list[str]) -> tuple[Planned | None, int]:
-            return best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share, planner=planner,
-                                 version=version, holds=holds, packed=tuple(keys))
-
-        everything, overshoot = finalized(packed)
+        everything, overshoot = finalized(decisions, packed)
         if everything is not None:
             break
         target -= overshoot
     else:
         return None
     trimmed = _trimmed(profile, hw, share, holds, decisions, packed, budget_bytes, everything)
-    candidates = [p for p in (everything, finalized(trimmed)[0] if trimmed != packed else None) if p is not None]
+    candidates = [p for p in (everything, finalized(decisions, trimmed)[0] if trimmed != packed else None)
+                  if p is not None]
     best = _unpacked_while_it_fits(profile, hw, share, holds, min(candidates, key=lambda p: p.result.step_s))
     return dataclasses.replace(best, search=on_view.search, found=on_view.found)
 
@@ -112,7 +113,7 @@ def _by_cost(profile: StepProfile, keys) -> list[str]:
 
 
 def _trimmed(profile: StepProfile, hw: Hardware, share: Share, holds: int, decisions: dict[str, Decision],
-             packed: list[str], budget_bytes: int, everything: Planned | None) -> list[str]:
+             packed: list[str], budget_bytes: int, everything: Planned) -> list[str]:
     """`packed` less the tensors whose whole bytes the region model's peak has room for (step 2)."""
     model = RegionModel(profile, hw, share, holds)
     stored = {a.key: a.bytes for a in profile.activations}
@@ -131,7 +132,7 @@ def _trimmed(profile: StepProfile, hw: Hardware, share: Share, holds: int, decis
     def peak() -> int:
         return int(region_peaks(total, kept, swapped).max()) + (holds - 1) * int(kept.sum())
 
-    unseen = max(0, everything.peak_bytes - peak()) if everything is not None else 0
+    unseen = max(0, everything.peak_bytes - peak())  # (transients: the simulator's peak above the model's)
     target = budget_bytes - unseen
     out = list(packed)
     for k in _by_cost(profile, packed):

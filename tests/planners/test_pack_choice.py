@@ -1,6 +1,7 @@
-"""The default planner's PACK choice (planners/packing.py): it packs where packing makes the step
-faster within the budget, only as much as the budget needs, never where the plan without packing
-is as fast; Plan.packed round-trips, is checked, and the lowering stores, copies and times it."""
+"""The default planner's PACK choice (planners/packing.py; named apart from tests/runtime/test_packing.py,
+which pytest could not import beside it): it packs where packing makes the step faster within the
+budget, only as much as the budget needs, never where the plan without packing is as fast;
+Plan.packed round-trips, is checked, and the lowering stores, copies and times it."""
 
 import pytest
 
