@@ -384,6 +384,7 @@ def test_zero3_recompute_quick_sets_swap_only_beside_recompute(tmp_path, capsys)
     assert "swap-only" in out and out.count("gpt2-xl") == 2
 
 
+@pytest.mark.slow
 def test_pack_choice_quick_prints_both_plans_and_the_one_kept(tmp_path, capsys):
     """The README job's model on 2 layers: the plan without packing, the packing plan and what the
     default planner keeps (its packed bytes where it keeps the packing plan). Which one is faster
