@@ -97,6 +97,18 @@ def profile(model: nn.Module, step_fn: Callable, batch: Any, seed: int = 1, **kw
     return ss.profile_step(model, step_fn, batch, warmup=0, timer=fake_clock(), **kw)
 
 
+def loss_step(model: nn.Module, x: Any) -> torch.Tensor:
+    """A step of a model whose forward returns its loss: forward, backward, the loss."""
+    loss = model(x)
+    loss.backward()
+    return loss
+
+
+def measured(model: nn.Module, x: Any, step_fn: Callable = loss_step) -> tuple:
+    """(model, x, the reference step's loss and gradients, the step's profile), from RNG state 1."""
+    return model, x, run(model, step_fn, x), profile(model, step_fn, x)
+
+
 def random_plan(profile: StepProfile, seed: int, budget_bytes: int | None = None) -> Plan:
     """Seeded random fates, and about two thirds of the packable kept or swapped tensors packed (PACK)."""
     rng = random.Random(seed)

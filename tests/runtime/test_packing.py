@@ -1,7 +1,7 @@
 """PACK at run time (runtime/packing.py): the codec's round trip is bit for bit; the profiler marks
 exactly the tensors that are two-valued by the ops that made them; steps under plans that pack are
-exact, hold the predicted peak and count what they packed; a wrong mark is caught by the verifying
-step and costs memory, never correctness."""
+exact, hold the predicted peak and count what they packed; a wrong mark is caught at its first
+packing and costs memory, never correctness."""
 
 import dataclasses
 
@@ -17,7 +17,7 @@ from slackswap_ds.runtime.packing import pack, unpack
 from slackswap_ds.simulator import simulate
 from slackswap_ds.step_profile import StepProfile, packed_size
 
-from exactness import assert_exact, assert_peak_as_predicted, profile, random_plan, run
+from exactness import assert_exact, assert_peak_as_predicted, loss_step, measured, random_plan, run
 
 
 def _round_trip(t: torch.Tensor) -> None:
@@ -44,7 +44,7 @@ def test_two_valued_tensors_come_back_bit_for_bit(dtype):
 
 
 def test_a_third_value_does_not_come_back():
-    """Why a wrong mark needs the verifying step's check: the codec keeps two patterns only."""
+    """Why a wrong mark needs the first packing's check: the codec keeps two patterns only."""
     t = torch.tensor([0.0, 1.0, 2.0])
     assert not torch.equal(unpack(pack(t.untyped_storage(), t.dtype)), bytes_of(t.untyped_storage()))
 
@@ -73,17 +73,10 @@ class Net(nn.Module):
         return x.square().mean()
 
 
-def step(model, x):
-    loss = model(x)
-    loss.backward()
-    return loss
-
-
 @pytest.fixture(scope="module")
 def net():
     torch.manual_seed(0)
-    model, x = Net().train(), torch.randn(8, 16)
-    return model, x, run(model, step, x), profile(model, step, x)
+    return measured(Net().train(), torch.randn(8, 16))
 
 
 def test_the_profile_marks_dropout_noise_and_bool_masks_only(net):
@@ -112,8 +105,8 @@ def test_every_packable_tensor_packed_is_exact_and_holds_its_predicted_peak(net,
     plan = Plan.build(prof, decisions, budget_bytes=prof.total_bytes, hardware_digest="any", planner="test",
                       packed=prof.packable)
     ex = ss.apply(model, plan, prof)
-    for _ in range(3):  # the verifying step, then plain ones
-        assert_exact(run(model, step, x, ex), reference)
+    for _ in range(3):
+        assert_exact(run(model, loss_step, x, ex), reference)
         last = ex.stats.last_step
         assert last.fallbacks == {}
         assert last.packed_bytes == sum(prof.by_key[k].bytes for k in prof.packable)
@@ -128,12 +121,12 @@ def test_random_plans_that_pack_are_exact(net, seed):
     plan = random_plan(prof, seed)
     ex = ss.apply(model, plan, prof)
     for _ in range(2):
-        assert_exact(run(model, step, x, ex), reference)
+        assert_exact(run(model, loss_step, x, ex), reference)
         assert ex.stats.last_step.fallbacks == {}
     assert_peak_as_predicted(ex.stats.last_step.peak_device_bytes, prof, plan)
 
 
-def test_a_wrong_mark_is_caught_by_the_verifying_step(net):
+def test_a_wrong_mark_is_caught_at_its_first_packing(net):
     """A tensor marked packable that is not two-valued (the mark is forged here) is stored
     unpacked, counted, and never packed again by that executor: every step stays exact."""
     model, x, reference, prof = net
@@ -144,8 +137,8 @@ def test_a_wrong_mark_is_caught_by_the_verifying_step(net):
     plan = Plan.build(forged, {a.key: Decision.KEEP for a in forged.activations}, budget_bytes=forged.total_bytes,
                       hardware_digest="any", planner="test", packed=(layer_input.key,))
     ex = ss.apply(model, plan, forged)
-    assert_exact(run(model, step, x, ex), reference)
+    assert_exact(run(model, loss_step, x, ex), reference)
     assert ex.stats.last_step.fallbacks == {"packing would change it (more than two values): stored unpacked": 1}
-    for _ in range(2):  # steps that do not verify
-        assert_exact(run(model, step, x, ex), reference)
+    for _ in range(2):  # later steps: not packed again
+        assert_exact(run(model, loss_step, x, ex), reference)
         assert ex.stats.last_step.fallbacks == {"packed before and found more than two-valued: stored unpacked": 1}

@@ -12,7 +12,7 @@ from torch import nn
 
 import slackswap_ds as ss
 
-from exactness import assert_exact, assert_peak_as_predicted, profile, random_plan, run
+from exactness import assert_exact, assert_peak_as_predicted, loss_step, measured, random_plan, run
 
 DIM, EXPERTS, TOP = 16, 4, 2
 
@@ -44,17 +44,10 @@ class Model(nn.Module):
         return self.head(x).square().mean()
 
 
-def loss_step(model, x):
-    loss = model(x)
-    loss.backward()
-    return loss
-
-
 @pytest.fixture(scope="module")
 def setup():
     torch.manual_seed(0)
-    model, x = Model().train(), torch.randn(4, 8, DIM)
-    return model, x, run(model, loss_step, x), profile(model, loss_step, x)
+    return measured(Model().train(), torch.randn(4, 8, DIM))
 
 
 @pytest.mark.parametrize("label", ["slackswap@0.5", "full-recompute", "random 0", "random 1", "random 2"])
