@@ -51,8 +51,9 @@ def packable_width(dtype: torch.dtype) -> bool:
 
 
 @torch.no_grad()
-def pack(st: torch.UntypedStorage, dtype: torch.dtype) -> Packed:
-    """Storage `st` (of `dtype` elements) packed; the caller has made sure it is two-valued."""
+def pack(st: torch.UntypedStorage, dtype: torch.dtype, torch_ops: bool = False) -> Packed:
+    """Storage `st` (of `dtype` elements) packed; the caller has made sure it is two-valued.
+    (`torch_ops`: the device path on a CPU storage too, for tests without a GPU.)"""
     width = dtype.itemsize
     nbytes = st.nbytes()
     count = nbytes // width
@@ -60,7 +61,7 @@ def pack(st: torch.UntypedStorage, dtype: torch.dtype) -> Packed:
     out = torch.empty(packed_size(nbytes, width), dtype=torch.uint8, device=st.device)
     if count == 0:
         return Packed(out, width, 0, nbytes)
-    if values.is_cpu:  # NumPy: a few passes in C, without torch's per-op dispatch (several times faster here)
+    if values.is_cpu and not torch_ops:  # NumPy: a few passes in C, without torch's per-op dispatch (several times faster here)
         v, o = values.numpy(), out.numpy()
         other = v != v[0]
         o[:2 * width].view(v.dtype)[:] = (v[0], v[other.argmax()])  # the first other pattern (the first if none)
@@ -79,14 +80,15 @@ def pack(st: torch.UntypedStorage, dtype: torch.dtype) -> Packed:
 
 
 @torch.no_grad()
-def unpack(packed: Packed, buffer: torch.Tensor | None = None) -> torch.Tensor:
+def unpack(packed: Packed, buffer: torch.Tensor | None = None, torch_ops: bool = False) -> torch.Tensor:
     """The storage's bytes again, as a flat uint8 tensor on the buffer's device (`buffer`: the
-    packed bytes where they are now, e.g. copied back in; default: `packed.buffer`)."""
+    packed bytes where they are now, e.g. copied back in; default: `packed.buffer`; `torch_ops`: as
+    for `pack`)."""
     buffer = packed.buffer if buffer is None else buffer
     width, count = packed.width, packed.count
     if count == 0:
         return torch.empty(packed.nbytes, dtype=torch.uint8, device=buffer.device)
-    if buffer.is_cpu:
+    if buffer.is_cpu and not torch_ops:
         b = buffer.numpy()
         first, second = b[:2 * width].view(np.dtype(f"<u{width}"))
         # first ^ (other * (first ^ second)): each element's pattern, exact (the product is 0 or first ^ second)

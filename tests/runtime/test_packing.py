@@ -21,10 +21,13 @@ from exactness import assert_exact, assert_peak_as_predicted, loss_step, measure
 
 
 def _round_trip(t: torch.Tensor) -> None:
+    """Bit for bit through NumPy (the CPU's path), through torch ops (CUDA's path, run here on the
+    CPU) and across the two: one layout."""
     st = t.untyped_storage()
-    packed = pack(st, t.dtype)
-    assert packed.buffer.numel() == packed_size(st.nbytes(), t.element_size())
-    assert torch.equal(unpack(packed), bytes_of(st))
+    for packing, unpacking in ((False, False), (True, True), (False, True), (True, False)):
+        packed = pack(st, t.dtype, torch_ops=packing)
+        assert packed.buffer.numel() == packed_size(st.nbytes(), t.element_size())
+        assert torch.equal(unpack(packed, torch_ops=unpacking), bytes_of(st)), (packing, unpacking)
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1001])
