@@ -109,12 +109,14 @@ class Plan:
         return plan
 
     def rebuilt(self, profile: StepProfile, decisions: Mapping[str, Decision] | None = None,
-                prefetch: Mapping[str, str] | None = None) -> "Plan":
+                prefetch: Mapping[str, str] | None = None, packed: tuple[str, ...] | None = None) -> "Plan":
         """This plan for `profile` (the same step measured again, or a profile with some tensors made
-        unrecomputable), with `decisions` or `prefetch` replaced where given; budget, hardware,
-        planner and blocking kept (and the packing of what is still kept or swapped). Checked like any plan."""
+        unrecomputable), with `decisions`, `prefetch` or `packed` replaced where given; budget,
+        hardware, planner and blocking kept (and, by default, the packing of what is still kept or
+        swapped). Checked like any plan."""
         decisions = self.decision if decisions is None else decisions
-        packed = tuple(k for k in self.packed if decisions.get(k) in (Decision.KEEP, Decision.SWAP))
+        if packed is None:
+            packed = tuple(k for k in self.packed if decisions.get(k) in (Decision.KEEP, Decision.SWAP))
         return Plan.build(profile, decisions, budget_bytes=self.budget_bytes,
                           hardware_digest=self.hardware_digest, planner=self.planner,
                           planner_version=self.planner_version,

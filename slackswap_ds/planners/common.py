@@ -175,21 +175,24 @@ def alap_triggers(profile: StepProfile, decisions: dict[str, Decision], hw: Hard
 
 def model_peak(model: RegionModel, decisions: dict[str, Decision]) -> int:
     """The region model's peak max_r M(r) of `decisions` (see the module docstring)."""
-    kept, swapped = _bytes_by_region(model, decisions)
-    return _peak(np.array(model.bytes, dtype=np.int64), kept, swapped, model.holds)
+    return peak_of(*region_bytes(model, decisions), model.holds)
 
 
-def _bytes_by_region(model: RegionModel, decisions: dict[str, Decision]) -> tuple[np.ndarray, np.ndarray]:
-    """(kept, swapped) bytes per region."""
+def region_bytes(model: RegionModel, decisions: Mapping[str, Decision],
+                 sizes: Mapping[str, int] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(all, kept, swapped) bytes per region; `sizes`: the bytes of the activations stored in other
+    than their own (packed ones, planners/packing.py)."""
     n = len(model.regions)
-    kept, swapped = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    total, kept, swapped = (np.zeros(n, dtype=np.int64) for _ in range(3))
+    sizes = sizes or {}
     for a in model.profile.activations:
-        d = decisions[a.key]
+        r, nbytes, d = model.region_of[a.key], sizes.get(a.key, a.bytes), decisions[a.key]
+        total[r] += nbytes
         if d is Decision.KEEP:
-            kept[model.region_of[a.key]] += a.bytes
+            kept[r] += nbytes
         elif d is Decision.SWAP:
-            swapped[model.region_of[a.key]] += a.bytes
-    return kept, swapped
+            swapped[r] += nbytes
+    return total, kept, swapped
 
 
 def region_peaks(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray) -> np.ndarray:
@@ -199,7 +202,8 @@ def region_peaks(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray) -> np
     return m
 
 
-def _peak(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray, holds: int = 1) -> int:
+def peak_of(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray, holds: int = 1) -> int:
+    """max_r M(r), plus the kept bytes of the other micro-batches in flight (`holds` - 1)."""
     m = region_peaks(total, kept, swapped)
     return (int(m.max()) if len(m) else 0) + (holds - 1) * int(kept.sum())
 
@@ -213,16 +217,15 @@ def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> 
     the model peak stays within `target`."""
     p = model.profile
     dec = dict(decisions)
-    total = np.array(model.bytes, dtype=np.int64)
-    kept, swapped = _bytes_by_region(model, dec)
-    if _peak(total, kept, swapped, model.holds) > target:
+    total, kept, swapped = region_bytes(model, dec)
+    if peak_of(total, kept, swapped, model.holds) > target:
         return dec  # nothing to give back (the caller's decisions do not meet the target)
     rec = [a for a in p.activations if dec[a.key] is Decision.RECOMPUTE and a.bytes > 0]
     rec.sort(key=lambda a: (-sum(p.ops[o].fwd_s for o in a.producers), a.key))
     for a in rec:
         r = model.region_of[a.key]
         kept[r] += a.bytes
-        if _peak(total, kept, swapped, model.holds) <= target:
+        if peak_of(total, kept, swapped, model.holds) <= target:
             dec[a.key] = Decision.KEEP
         else:
             kept[r] -= a.bytes
@@ -232,7 +235,7 @@ def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> 
         r = model.region_of[a.key]
         kept[r] += a.bytes
         swapped[r] -= a.bytes
-        if _peak(total, kept, swapped, model.holds) <= target:
+        if peak_of(total, kept, swapped, model.holds) <= target:
             dec[a.key] = Decision.KEEP
         else:
             kept[r] -= a.bytes

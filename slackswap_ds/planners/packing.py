@@ -21,14 +21,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-import numpy as np
-
 from ..errors import BudgetInfeasibleError
 from ..hardware import Hardware
-from ..plan import Decision, Plan
+from ..plan import Decision
 from ..shares import Share
 from ..step_profile import StepProfile
-from .common import MAX_REPAIRS, Planned, RegionModel, best_triggers, region_peaks, simulated
+from .common import MAX_REPAIRS, Planned, RegionModel, best_triggers, peak_of, region_bytes, simulated
 
 __all__ = ["packed_view", "with_packing"]
 
@@ -94,10 +92,7 @@ def _unpacked_while_it_fits(profile: StepProfile, hw: Hardware, share: Share, ho
     unpacked where the simulated plan still keeps its budget and is no slower; at most `tries` simulations."""
     plan = planned.plan
     for key in _by_cost(profile, plan.packed)[:tries]:
-        fewer = Plan.build(
-            profile, plan.decision, budget_bytes=plan.budget_bytes, hardware_digest=plan.hardware_digest,
-            planner=plan.planner, planner_version=plan.planner_version, prefetch=plan.trigger,
-            packed=tuple(k for k in plan.packed if k != key))
+        fewer = plan.rebuilt(profile, packed=tuple(k for k in plan.packed if k != key))
         tried = simulated(profile, fewer, hw, share, holds)
         if tried.result.feasible and tried.result.step_s <= planned.result.step_s:
             plan, planned = fewer, tried
@@ -116,23 +111,8 @@ def _trimmed(profile: StepProfile, hw: Hardware, share: Share, holds: int, decis
              packed: list[str], budget_bytes: int, everything: Planned) -> list[str]:
     """`packed` less the tensors whose whole bytes the region model's peak has room for (step 2)."""
     model = RegionModel(profile, hw, share, holds)
-    stored = {a.key: a.bytes for a in profile.activations}
-    for k in packed:
-        stored[k] = profile.by_key[k].packed_bytes
-    n = len(model.regions)
-    total, kept, swapped = (np.zeros(n, dtype=np.int64) for _ in range(3))
-    for a in profile.activations:
-        r = model.region_of[a.key]
-        total[r] += stored[a.key]
-        if decisions[a.key] is Decision.KEEP:
-            kept[r] += stored[a.key]
-        elif decisions[a.key] is Decision.SWAP:
-            swapped[r] += stored[a.key]
-
-    def peak() -> int:
-        return int(region_peaks(total, kept, swapped).max()) + (holds - 1) * int(kept.sum())
-
-    unseen = max(0, everything.peak_bytes - peak())  # (transients: the simulator's peak above the model's)
+    total, kept, swapped = region_bytes(model, decisions, {k: profile.by_key[k].packed_bytes for k in packed})
+    unseen = max(0, everything.peak_bytes - peak_of(total, kept, swapped, holds))  # (transients: the simulator's peak above the model's)
     target = budget_bytes - unseen
     out = list(packed)
     for k in _by_cost(profile, packed):
@@ -141,7 +121,7 @@ def _trimmed(profile: StepProfile, hw: Hardware, share: Share, holds: int, decis
         side = kept if decisions[k] is Decision.KEEP else swapped
         total[r] += grow
         side[r] += grow
-        if peak() <= target:
+        if peak_of(total, kept, swapped, holds) <= target:
             out.remove(k)
         else:
             total[r] -= grow

@@ -60,8 +60,7 @@ class Entries:
         self.residency, self.swaps, self.verifier, self.calls = residency, swaps, verifier, calls
         self.released = released  # entries whose holders died, oldest first
         self.keep_bytes = keep_bytes  # without a plan: saves kept on the device up to this
-        self.packs_checked: set[str] = set()  # keys whose packing's round trip was checked (`_pack`)
-        self.not_two_valued: set[str] = set()  # ... and found to change their bytes
+        self.two_valued: dict[str, bool] = {}  # key -> whether its first packing's round trip gave its bytes back
 
     # ---- save ---------------------------------------------------------------------------------
     def new(self, step: Step, label: str, t: torch.Tensor, st: torch.UntypedStorage,
@@ -94,7 +93,7 @@ class Entries:
         decision = self._decision(step, planned, nbytes, writer)
         packs = planned is not None and planned.packed and decision is not Decision.RECOMPUTE \
             and planned.nbytes == nbytes and packable_width(t.dtype)
-        if packs and key in self.not_two_valued:
+        if packs and self.two_valued.get(key) is False:
             packs = False
             step.stats.fallback("packed before and found more than two-valued: stored unpacked")
         # A SWAP, RECOMPUTE or packed entry outlives its device storage: the weak reference keeps the
@@ -157,11 +156,10 @@ class Entries:
         tensor the profile marked two-valued that is not), it is kept or swapped unpacked, counted,
         and never packed again by this executor."""
         packed = pack(st, t.dtype)
-        if entry.key not in self.packs_checked:
-            self.packs_checked.add(entry.key)
-            if not torch.equal(unpack(packed), bytes_of(st)):
+        if entry.key not in self.two_valued:
+            self.two_valued[entry.key] = torch.equal(unpack(packed), bytes_of(st))
+            if not self.two_valued[entry.key]:
                 step.stats.fallback("packing would change it (more than two values): stored unpacked")
-                self.not_two_valued.add(entry.key)
                 return t, st
         buffer, packed.buffer = packed.buffer, None  # (the entry holds it as its storage or copies it out)
         entry.packed, entry.nbytes = packed, buffer.numel()
