@@ -109,7 +109,7 @@ def sac_context(rerun: set[int]):
 def checkpointed(blocks, paths, context_for=None):
     """Each block's forward through torch.utils.checkpoint (non-reentrant), with `context_for(path)`
     as its context_fn (selective checkpointing) when given and not None for that path."""
-    originals = [b.forward for b in blocks]
+    originals, wrapped = [b.forward for b in blocks], []
     try:
         for block, path, forward in zip(blocks, paths, originals):
             kw = {"use_reentrant": False}
@@ -119,9 +119,10 @@ def checkpointed(blocks, paths, context_for=None):
                     continue
                 kw["context_fn"] = ctx
             block.forward = functools.partial(checkpoint, forward, **kw)
+            wrapped.append(block)
         yield
     finally:
-        for block in blocks:
+        for block in wrapped:  # (a block whose path recomputes nothing was left alone)
             del block.forward  # (the class's again: an instance attribute left behind would look like a wrapper)
 
 

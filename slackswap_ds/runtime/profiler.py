@@ -18,7 +18,6 @@ its layer call, or saved in a gap between calls, has no producers: it can be kep
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
 import torch
@@ -28,6 +27,7 @@ from ..logs import SAME_ON_EVERY_RANK, log
 from ..step_profile import Activation, Op, StepProfile
 from .device import device_of
 from .executor import Executor
+from .op_clock import clock_for
 from .naming import is_gap
 from .stats import StepStats
 from .takeover import inline_checkpoint_calls
@@ -35,16 +35,6 @@ from .tracing import StepTracer, TracedSave
 
 StepFn = Callable[[nn.Module, Any], torch.Tensor]
 _SAID: set[tuple[str, ...]] = set()  # the layer sets said to call compiled code (once each per process)
-
-
-def _sync_timer(device: torch.device) -> Callable[[], float]:
-    """perf_counter, after the device's queue drains (so each op's time is its own)."""
-    if device.type == "cuda":
-        def timer() -> float:
-            torch.cuda.synchronize(device)
-            return time.perf_counter()
-        return timer
-    return time.perf_counter
 
 
 class ProfileSession:
@@ -60,7 +50,7 @@ class ProfileSession:
         self.model = model
         device = device_of(model)
         # the tracer asks for the region while the step runs, when the executor exists
-        self.tracer = StepTracer(lambda: self.executor.regions.label, timer or _sync_timer(device), device.type)
+        self.tracer = StepTracer(lambda: self.executor.regions.label, clock_for(device, timer), device.type)
         self.executor = Executor.profiling(model, self.tracer, keep_bytes=keep_bytes, pool=pool)
         self.forwards = [0]  # where each forward of the step began: the tracer's saves before it
         self._checkpoint_calls_before = inline_checkpoint_calls()
@@ -133,6 +123,7 @@ def build_profile(tracer: StepTracer, name: str, arguments: dict[str, list[str]]
                   peak_bytes: int | None = None) -> StepProfile:
     """The StepProfile of a traced step; `arguments`: per layer call, the keys of the saved
     tensors it took as arguments (a replay needs them back)."""
+    tracer.clock.settle()  # (CUDA events: the ops' times are read now, after the step)
     ops = tracer.ops
     profile_ops = tuple(Op(o.key, o.fwd_s, o.bwd_s, o.region) for o in ops)
     saves = tracer.saves

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -38,6 +37,7 @@ from ..step_profile import COMPILED
 from .aten import RuntimeMode, by_value, is_compute, mutated_args, tensors_in
 from .flat import flatten
 from .naming import op_key
+from .op_clock import EventClock, WallClock
 from .packing import pack, packable_width, unpack
 from .timeline import Timeline
 
@@ -107,13 +107,15 @@ class StepTracer(RuntimeMode):
     """Trace steps run by an executor (see the module docstring).
 
     `region` returns the label of the region running now (the executor's RegionTracker);
-    `device_type` is the model's (where its activations live); `timer` is called before and after each op (a synchronizing timer on CUDA; tests pass a fake
-    clock so that plans made from the trace do not depend on measured times)."""
+    `device_type` is the model's (where its activations live); `clock` times each op (op_clock.py:
+    CUDA events on a GPU; tests pass a fake host clock so that plans made from the trace do not
+    depend on measured times); its durations are final after `settle()`."""
 
-    def __init__(self, region: Callable[[], str], timer: Callable[[], float] = time.perf_counter,
+    def __init__(self, region: Callable[[], str], clock: WallClock | EventClock | None = None,
                  device_type: str = "cpu"):
         super().__init__()
-        self.region, self.timer, self.device_type = region, timer, device_type
+        self.region, self.device_type = region, device_type
+        self.clock = clock if clock is not None else WallClock()
         self.timeline: Timeline | None = None  # the executor's while it records one (spans of every op)
         self.closed = False  # the traced step has ended (gradient accumulation runs more: not traced)
         self.forward_done = False  # ops run outside backward from now on are not the model's
@@ -128,8 +130,8 @@ class StepTracer(RuntimeMode):
         self._node_op: dict[int, int] = {}
         self._nodes: list = []  # keep nodes alive so that their ids stay unique
         self._last_outputs: list[torch.Tensor] = []
-        self._opaque: tuple[TracedOp, float, float, set[int]] | None = None  # the compiled call running now
-        self._opaque_bwd_start: float | None = None
+        self._opaque: tuple[TracedOp, float, object, set[int]] | None = None  # the compiled call running now
+        self._opaque_bwd_start: object | None = None  # (a mark of the clock)
         self.compiled_in: set[str] = set()  # regions whose eager code called compiled code (_watch_calls)
         self._watching = False
 
@@ -206,9 +208,9 @@ class StepTracer(RuntimeMode):
         """(packed bytes, mean seconds of the packing and unpacking kernels) on the saved storage."""
         st = t.untyped_storage()
         unpack(pack(st, t.dtype))  # (once untimed: a first call's costs are not the kernels')
-        start = self.timer()
+        start = self.clock.mark()
         unpack(packed := pack(st, t.dtype))
-        return packed.buffer.numel(), (self.timer() - start) / 2
+        return packed.buffer.numel(), self.clock.elapsed(start) / 2
 
     # ---- compiled layers (compiled.py): one opaque op per call ----------------------------------------
     def opaque_begin(self, args, kwargs) -> None:
@@ -227,7 +229,7 @@ class StepTracer(RuntimeMode):
         op.reads = [self._sid_of(t) for t in inputs]
         self.ops.append(op)
         before = {id(t.grad_fn) for t in inputs if t.grad_fn is not None}  # where its own autograd nodes end
-        self._opaque = (op, self.timeline.now() if self.timeline is not None else 0.0, self.timer(), before)
+        self._opaque = (op, self.timeline.now() if self.timeline is not None else 0.0, self.clock.mark(), before)
 
     def opaque_end(self, output) -> None:
         """The compiled call returned `output`: its time, the storages it made, and its backward:
@@ -239,7 +241,7 @@ class StepTracer(RuntimeMode):
         if opaque is None:
             return
         op, span, start, before = opaque
-        op.fwd_s = self.timer() - start
+        self.clock.add(op, "fwd_s", start)
         if self.timeline is not None:
             self.timeline.span("compute", "fwd", op.key, span, self.timeline.now())
         nodes = {}
@@ -276,9 +278,9 @@ class StepTracer(RuntimeMode):
 
     def _opaque_backward(self, op: TracedOp, starts: bool) -> None:
         if starts:
-            self._opaque_bwd_start = self.timer()
+            self._opaque_bwd_start = self.clock.mark()
         elif self._opaque_bwd_start is not None:
-            op.bwd_s += self.timer() - self._opaque_bwd_start
+            self.clock.add(op, "bwd_s", self._opaque_bwd_start)
             self._opaque_bwd_start = None
 
     # ---- storages ---------------------------------------------------------------------------------
@@ -310,13 +312,13 @@ class StepTracer(RuntimeMode):
             self._bind_last_node()
             tl = self.timeline
             span = tl.now() if tl is not None else 0.0
-            start = self.timer()
+            start = self.clock.mark()
             out = func(*args, **kwargs)
-            end = self.timer()
+            end = self.clock.mark()
             node = torch._C._current_autograd_node()
             op = self._node_op.get(id(node)) if node is not None else None
             if op is not None and not self.ops[op].opaque:  # (an opaque op's backward is timed whole)
-                self.ops[op].bwd_s += end - start
+                self.clock.add(self.ops[op], "bwd_s", start, end)
                 if tl is not None:
                     tl.span("compute", "bwd", self.ops[op].key, span, tl.now())
             return out
@@ -333,9 +335,9 @@ class StepTracer(RuntimeMode):
             op.reads = [self._sid_of(t) for t in inputs]
         tl = self.timeline
         span = tl.now() if tl is not None else 0.0
-        start = self.timer()
+        start = self.clock.mark()
         out = func(*args, **kwargs)
-        op.fwd_s = self.timer() - start
+        self.clock.add(op, "fwd_s", start)
         if tl is not None:
             tl.span("compute", "fwd", op.key, span, tl.now())
         in_storages = {t.untyped_storage()._cdata for t in inputs}
