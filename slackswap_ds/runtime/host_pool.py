@@ -35,6 +35,7 @@ from typing import Protocol, Sequence
 import torch
 
 from ..errors import SlackSwapError
+from ..logs import log
 
 __all__ = ["HostBuffer", "HostPool", "HostPoolError", "PoolStats"]
 
@@ -132,6 +133,7 @@ class HostPool:
         self._pending: list[tuple[HostBuffer, _Ready]] = []
         self._allocated = self._in_use = self._peak = 0
         self._allocations = self._acquires = self._misses = self._reuses = self._frees = 0
+        self.pinning_failed: str | None = None  # why the host refused to pin more (the pool stopped growing)
 
     # -- public ---------------------------------------------------------------------------------
     def acquire(self, nbytes: int) -> HostBuffer | None:
@@ -278,11 +280,26 @@ class HostPool:
         nbytes = self._slab_size(size, self._room())
         if nbytes == 0:
             return None
-        data = self.device.empty_pinned(nbytes)
+        try:
+            data = self.device.empty_pinned(nbytes)
+        except RuntimeError as e:  # (torch.AcceleratorError / OutOfMemoryError: the host cannot pin more)
+            self._pinning_failed(nbytes, e)
+            return None
         self._allocations += 1
         self._allocated += self.device.pinned_alloc_bytes(nbytes)
         self._slabs.append(_Slab(data))
         return self._carve_from(self._slabs[-1], size)
+
+    def _pinning_failed(self, nbytes: int, error: RuntimeError) -> None:
+        """The host would not pin `nbytes` more: the pool stops growing at what it holds (its budget
+        from now on; a request it cannot serve is a miss, which the caller falls back from), said once."""
+        if self.pinning_failed is None:
+            self.pinning_failed = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+            log.warning("slackswap: the host would not pin %s more bytes beside the pool's %s (%s); the host pool "
+                        "stops growing here, and saved tensors it cannot take stay on the device. Set "
+                        "\"host_pool_bytes_per_node\" within the host's pinnable memory, or lower the micro-batch",
+                        f"{nbytes:,}", f"{self._allocated:,}", self.pinning_failed)
+        self.budget_bytes = self._allocated if self.budget_bytes is None else min(self.budget_bytes, self._allocated)
 
     def _carve_from(self, slab: _Slab, size: int) -> HostBuffer:
         buf = HostBuffer(self, slab, slab.top, size)

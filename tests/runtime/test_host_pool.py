@@ -334,3 +334,32 @@ def test_invariants_on_random_sequences(ops, budget, slab, pow2):
         assert all(e <= s2 for (_, e), (s2, _) in zip(spans, spans[1:])), "live buffers overlap"
         for b, _, v in held:                                    # nobody else wrote into a live buffer
             assert bool((b.data == v).all())
+
+
+class RefusingDevice(Pow2Device):
+    """A host that pins up to `limit` bytes, then refuses as CUDA does (cudaHostAlloc's out of memory)."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit = limit
+
+    def empty_pinned(self, nbytes):
+        if sum(self.allocated) + nbytes > self.limit:
+            raise torch.AcceleratorError("CUDA error: out of memory") if hasattr(torch, "AcceleratorError") \
+                else RuntimeError("CUDA error: out of memory")
+        return super().empty_pinned(nbytes)
+
+
+def test_a_host_that_refuses_to_pin_more_is_a_miss_said_once_and_the_pool_stops_growing(caplog):
+    pool = HostPool(None, RefusingDevice(limit=64 * KiB), slab_bytes=32 * KiB)
+    held = [pool.acquire(30 * KiB), pool.acquire(30 * KiB)]  # two slabs: 64 KiB pinned
+    assert all(b is not None for b in held)
+    with caplog.at_level("WARNING", logger="slackswap_ds"):
+        assert pool.acquire(30 * KiB) is None  # a third slab would pass the host's limit
+        assert pool.acquire(30 * KiB) is None  # not tried again: the pool's budget is what it holds
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "would not pin 32,768 more bytes" in said[0] and "host_pool_bytes_per_node" in said[0]
+    assert pool.budget_bytes == 64 * KiB and pool.pinning_failed.endswith("out of memory")
+    assert pool.stats().misses == 2 and pool.device.allocated == [32 * KiB, 32 * KiB]
+    pool.release(held[0])
+    assert pool.acquire(30 * KiB) is not None  # what it holds still serves
