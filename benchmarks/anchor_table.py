@@ -23,7 +23,9 @@ GPU's); a plan over its budget counts as no plan ("-"). A row's verdicts:
 * `gap`         optimal minus slackswap, in points (negative where the 2 s search's plan simulates
                 faster than the 20 s one's); the target is <= 0.05.
 
-How each default plan was found (`Planned.found`, words of planners/refine.FOUND) is counted under each table. Writes
+How each default plan was found (`Planned.found`, words of planners/refine.FOUND) is counted under each table,
+and which fates each planner's plans used in it (K keep, S swap, R recompute, P pack: what the plans did,
+not what a planner could do; the presets' profiles mark nothing packable, so no plan here packs). Writes
 anchor_table.json (every planner's row) beside the text.
 
     PYTHONPATH=. python benchmarks/anchor_table.py             # everything (about half an hour here)
@@ -108,6 +110,14 @@ def cell(rows: dict[str, dict], planner: str) -> float | None:
     return r["throughput_pct"] if r and r.get("feasible") else None
 
 
+def fates_of(row: dict) -> set[str]:
+    """The fates a feasible plan used: K, S, R, P (its kept, swapped, recomputed, packed bytes)."""
+    if not row.get("feasible"):
+        return set()
+    return {f for f, field in (("K", "kept_bytes"), ("S", "swapped_bytes"), ("R", "recomputed_bytes"),
+                               ("P", "packed_bytes")) if row.get(field)}
+
+
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
@@ -119,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     for tname in args.targets:
         tgt = target(tname)
         lines, found = [], collections.Counter()
+        fates: dict[str, set[str]] = {p: set() for p in PLANNERS}
         below_anchor, over_gap, beyond_tolerance = [], [], []
         for wname in args.workloads:
             profile = profile_of(wname, tgt.hw)
@@ -132,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows[planner] = dict(target=tname, workload=wname, budget=fraction, planner=planner,
                                          plan_s=time.perf_counter() - t0, **fields)
                     every.append(rows[planner])
+                    fates[planner] |= fates_of(rows[planner])
                 found[rows["slackswap"].get("found") or "no plan"] += 1
                 ours, best = cell(rows, "slackswap"), None
                 anchors = [(cell(rows, a), a) for a in ANCHORS if cell(rows, a) is not None]
@@ -160,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{ANCHOR_TOLERANCE} points: {', '.join(beyond_tolerance) or 'nowhere'}; more than {GAP_TARGET} "
                     f"points below the optimum: {', '.join(over_gap) or 'nowhere'}")
         text.append("default plans found by: " + ", ".join(f"{k} {v}" for k, v in sorted(found.items())))
+        text.append("fates the plans used (K keep, S swap, R recompute, P pack): "
+                    + "; ".join(f"{p} {''.join(f for f in 'KSRP' if f in fates[p]) or '-'}" for p in PLANNERS))
         print("\n".join(text), flush=True)  # each target's table as soon as it is done
         text.clear()
         path = out / "anchor_table.json"

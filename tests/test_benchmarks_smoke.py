@@ -347,6 +347,12 @@ def test_anchor_table_quick_says_its_verdicts_from_its_own_rows(tmp_path, capsys
     assert ("yes" if ok["slackswap"] >= best - 1e-9 else "NO") in fields
     assert f"{ok['optimal'] - ok['slackswap']:+.2f}" in fields
     assert "default plans found by: " in out
+    fates = next(line for line in out.splitlines() if line.startswith("fates the plans used"))
+    for planner, row in rows.items():  # each planner's fates, from its own row
+        used = "".join(f for f, field in (("K", "kept_bytes"), ("S", "swapped_bytes"), ("R", "recomputed_bytes"),
+                                          ("P", "packed_bytes")) if row["feasible"] and row[field]) or "-"
+        assert f" {planner} {used}" in fates
+    assert " torchtitan-op-sac KR" in fates and "P" not in fates.split(": ", 1)[1]  # (no swaps; presets: no packs)
 
 
 @pytest.mark.slow

@@ -155,8 +155,10 @@ def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: in
         "status": "ok" if res.feasible else "over budget",
         "recompute_s": res.recompute_s,
         "stall_s": dict(res.stall_s),
+        "kept_bytes": by[Decision.KEEP],
         "swapped_bytes": by[Decision.SWAP],
         "recomputed_bytes": by[Decision.RECOMPUTE],
+        "packed_bytes": plan.packed_bytes(profile)[0],  # (kept or swapped, before packing)
     }
     if planned.search:  # how the default planner found its plan (planners/refine.py)
         row["search"], row["found"] = planned.search, planned.found
