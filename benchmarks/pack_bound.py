@@ -14,6 +14,9 @@ CUDA's `native_dropout` saves them):
                      it, each a memory-bound kernel (read 1 B, write 1/8 B per element, and back) at
                      the preset's measured elementwise rate (`Hardware.elementwise_s`), paid on every
                      mask: PACK as a planner would price it, here without the choice not to pack;
+* slackswap          the default planner, which may pack each mask or not (its plan as `slackswap simulate`
+                     makes it: the presets mark their masks packable, workloads.mask_packing), and the
+                     bytes it packed;
 * paper              the figure the SlackSwap paper reports (simulated, A100 + PCIe 4.0).
 
 The ideal (100%) is the keep-all step of the workload as it is, in every column. A planner that may
@@ -41,6 +44,7 @@ from slackswap_ds.hardware import Hardware, load_hardware
 from slackswap_ds.planners import keep_all_result
 from slackswap_ds.planners.milp import MilpOptions
 from slackswap_ds.planners.optimal import solve_optimal
+from slackswap_ds.planners.slackswap import plan_slackswap
 from slackswap_ds.sim_report import PAPER_THROUGHPUT_PCT
 from slackswap_ds.step_profile import StepProfile
 from slackswap_ds.workloads import workload
@@ -64,13 +68,19 @@ def packed(profile: StepProfile, hw: Hardware, kernel_cost: bool) -> StepProfile
                 made = a.producers[-1] if a.producers else a.saved_at
                 ops[made] = replace(ops[made], fwd_s=ops[made].fwd_s + moved)
                 ops[a.first_read] = replace(ops[a.first_read], bwd_s=ops[a.first_read].bwd_s + moved)
-            a = replace(a, bytes=small)
+            a = replace(a, bytes=small, packed_bytes=None, pack_s=None)  # (packed already: nothing left to pack)
         acts.append(a)
     return replace(profile, ops=tuple(ops), activations=tuple(acts))
 
 
 def throughput(profile: StepProfile, hw: Hardware, budget_bytes: int, ideal_s: float) -> float:
     return 100 * ideal_s / solve_optimal(profile, hw, budget_bytes, options=SOLVE).planned.result.step_s
+
+
+def default_planner(profile: StepProfile, hw: Hardware, budget_bytes: int, ideal_s: float) -> tuple[float, int]:
+    """The default planner's throughput and the bytes it packed (before packing)."""
+    planned = plan_slackswap(profile, hw, budget_bytes)
+    return 100 * ideal_s / planned.result.step_s, planned.plan.packed_bytes(profile)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,17 +103,25 @@ def main(argv: list[str] | None = None) -> int:
             for fraction in parse_floats(args.budgets):
                 budget_bytes = Budget.parse(fraction).of(profile.total_bytes)
                 row = dict(hardware=hname, workload=name, budget=fraction, mask_share=masks / profile.total_bytes,
+                           mask_bytes=masks,
                            bound=throughput(profile, hw, budget_bytes, ideal_s),
                            fused=throughput(packed(profile, hw, False), hw, budget_bytes, ideal_s),
                            own_kernel=throughput(packed(profile, hw, True), hw, budget_bytes, ideal_s),
+                           **dict(zip(("slackswap", "slackswap_packed"), default_planner(profile, hw, budget_bytes,
+                                                                                      ideal_s))),
                            paper=PAPER_THROUGHPUT_PCT.get(name) if hname == "a100-80g-pcie4" else None)
                 rows.append(row)
                 progress(f"{hname} {name} {fraction:g}: bound {row['bound']:.2f}, packed fused {row['fused']:.2f}, "
-                         f"own kernel {row['own_kernel']:.2f} ({time.perf_counter() - start:.0f} s)")
-    print("throughput, % of the keep-all ideal: the optimum without PACK and with every dropout mask packed")
-    print(table(["hardware", "workload", "budget", "masks", "bound", "packed, fused", "packed, own kernel", "paper"],
+                         f"own kernel {row['own_kernel']:.2f}, slackswap {row['slackswap']:.2f} "
+                         f"({time.perf_counter() - start:.0f} s)")
+    print("throughput, % of the keep-all ideal: the optimum without PACK and with every dropout mask packed, the\n"
+          "default planner choosing PACK per mask (and the share of the masks it packed), the paper")
+    print(table(["hardware", "workload", "budget", "masks", "bound", "packed, fused", "packed, own kernel",
+                 "slackswap", "masks packed", "paper"],
                 [[r["hardware"], r["workload"], f"{r['budget']:g}", f"{100 * r['mask_share']:.1f}%", f"{r['bound']:.2f}",
-                  f"{r['fused']:.2f}", f"{r['own_kernel']:.2f}", "-" if r["paper"] is None else f"{r['paper']:.1f}"]
+                  f"{r['fused']:.2f}", f"{r['own_kernel']:.2f}", f"{r['slackswap']:.2f}",
+                  f"{100 * r['slackswap_packed'] / r['mask_bytes']:.0f}%" if r["mask_bytes"] else "-",
+                  "-" if r["paper"] is None else f"{r['paper']:.1f}"]
                  for r in rows]))
     out = out_dir(args.out)
     write_json(out / "pack_bound.json", rows)

@@ -36,7 +36,7 @@ The map, one line per module (the one map: README.md and docs/ link here):
     sim_report      traces, plots and the text tables of `slackswap simulate`
     logs            the slackswap_ds logger: which rank says what, said once per job
     runtime/        plans run for real: executor, steps, entries, swaps, packing, calls, replay, verify,
-                    residency, program, records, stats, aten, flat, tracing, profiler, regions,
+                    residency, program, records, stats, aten, flat, tracing, op_clock, profiler, regions,
                     naming, takeover, compiled, compile_layout, host_pool, device, emulation,
                     stream_sanitizer, timeline
     checkpointing   drop-in deepspeed.checkpointing (inline under a plan)

@@ -220,9 +220,9 @@ def sweep_figure(rows: Iterable[Mapping]):
 PAPER = "SlackSwap arXiv 2610.13003, simulated A100 + PCIe 4.0, 50% budget"
 PAPER_THROUGHPUT_PCT = {"bert-large": 96.3, "gpt2-xl": 97.6, "llama-7b": 99.6}
 
-SWEEP_COLUMNS = ("planner", "thru %", "step ms", "tok/s", "peak GB", "peak/bud", "recomp ms", "swap GB", "feasible",
-                 "fits")
-_WIDTHS = (20, 8, 10, 10, 9, 10, 11, 9, 12, 6)
+SWEEP_COLUMNS = ("planner", "thru %", "step ms", "tok/s", "peak GB", "peak/bud", "recomp ms", "swap GB", "pack GB",
+                 "feasible", "fits")  # (pack GB: the bytes of the tensors a plan packs, before packing)
+_WIDTHS = (20, 8, 10, 10, 9, 10, 11, 9, 9, 12, 6)
 
 
 def gb(nbytes: float) -> str:
@@ -247,7 +247,7 @@ def _table_row(cells: Sequence[str]) -> str:
 def sweep_row(row: Mapping) -> str:
     """One planner's row of a sweep table."""
     if row["status"] in ("infeasible", "error"):
-        return _table_row([row["planner"], *(["-"] * 7), row["status"], "-"])
+        return _table_row([row["planner"], *(["-"] * 8), row["status"], "-"])
     fits = row.get("fits")
     return _table_row([
         row["planner"],
@@ -258,6 +258,7 @@ def sweep_row(row: Mapping) -> str:
         f"{row['peak_bytes'] / row['budget_bytes']:.3f}" if row["budget_bytes"] else "-",
         f"{row['recompute_s'] * 1e3:.1f}",
         f"{row['swapped_bytes'] / GB:.2f}",
+        f"{row.get('packed_bytes', 0) / GB:.2f}",
         "yes" if row["feasible"] else "NO (over)",
         "-" if fits is None else "yes" if fits else "NO",
     ])

@@ -40,11 +40,11 @@ from ..hardware import Hardware
 from ..plan import Decision
 from ..shares import PRIVATE, Share
 from ..step_profile import StepProfile
-from .common import Planned, RegionModel, keep_all, region_peaks, release, repair
-from .packing import with_packing
+from .common import Planned, RegionModel, keep_all, keep_all_result, region_peaks, release, repair
+from .packing import packed_view, with_packing
 from .refine import refined, search_budget_s
 
-NAME, VERSION = "slackswap", "5"
+NAME, VERSION = "slackswap", "6"
 GREEDY = "slackswap-greedy"
 
 
@@ -52,14 +52,16 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
                    holds: int = 1) -> Planned:
     """Steps 1-5, then the exact refinement (refine.py): the region model's optimum where the MILP
     finds it within REFINE_BUDGET_S, else the better of its best plan so far and steps 1-5's."""
-    if not profile.packable:
-        return _searched(profile, hw, budget_bytes, share, holds)
-    # with packable tensors (PACK, planners/packing.py) the exact search's time is split between the
+    model = RegionModel(profile, hw, share, holds)
+    greedy = _greedy_or_none(model, budget_bytes)
+    if not profile.packable or not _packing_may_pay(profile, hw, budget_bytes, share, holds, greedy):
+        return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION)
+    # where packing may pay (PACK, planners/packing.py), the exact search's time is split between the
     # plan without packing and the one on the packed view; the faster simulated plan is kept (ties:
     # the one without packing, which runs no packing kernels)
     budget_s = search_budget_s() / 2
     try:
-        plain = _searched(profile, hw, budget_bytes, share, holds, budget_s)
+        plain = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, budget_s=budget_s)
     except BudgetInfeasibleError:
         plain = None  # (packing may fit where nothing else does)
     if plain is not None and plain.found == "greedy-ideal":
@@ -78,11 +80,30 @@ def _searched(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Shar
               budget_s: float | None = None) -> Planned:
     """Steps 1-5, then step 6 within `budget_s` seconds (default: refine.search_budget_s())."""
     model = RegionModel(profile, hw, share, holds)
+    return refined(_greedy_or_none(model, budget_bytes), model, budget_bytes, planner=NAME, version=VERSION,
+                   budget_s=budget_s)
+
+
+def _greedy_or_none(model: RegionModel, budget_bytes: int) -> Planned | None:
     try:
-        greedy = _greedy(model, budget_bytes, NAME)
+        return _greedy(model, budget_bytes, NAME)
     except BudgetInfeasibleError:
-        greedy = None
-    return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, budget_s=budget_s)
+        return None
+
+
+def _packing_may_pay(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, holds: int,
+                     greedy: Planned | None) -> bool:
+    """Whether a plan that packs may be faster than one that does not, by steps 1-5 on both: on the
+    packed view (every packable tensor packed, its kernels in the ops) against the profile. The view
+    does not count the unpacked bytes a packed tensor takes in backward, so it flatters packing: where
+    even it is no faster, the whole exact search goes to the plan without packing (the presets' dropout
+    masks, whose kernels cost more than the memory they free at most budgets: docs/packing.md)."""
+    if greedy is None:
+        return True  # (nothing fits without packing: it may)
+    if greedy.result.step_s <= keep_all_result(profile, hw).step_s * (1 + 1e-12):
+        return False  # as fast as keeping everything: packing cannot gain
+    on_view = _greedy_or_none(RegionModel(packed_view(profile), hw, share, holds), budget_bytes)
+    return on_view is not None and on_view.result.step_s < greedy.result.step_s
 
 
 def plan_slackswap_greedy(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,

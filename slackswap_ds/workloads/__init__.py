@@ -24,8 +24,8 @@ from typing import Iterable, Mapping
 
 from ..errors import ProfileError
 from ..hardware import Hardware, load_hardware
-from ..step_profile import Activation, Op, StepProfile
-from .builder import CostBuilder, add_embedding, add_head
+from ..step_profile import Activation, Op, StepProfile, packed_size
+from .builder import MASK_BYTES, MASK_SUFFIX, CostBuilder, add_embedding, add_head
 from .layer import add_layer
 from .presets import load_workload_file, preset_spec, presets, workload_names, workloads_dir
 from .spec import FFN_KINDS, NORM_PLACEMENTS, NORMS, ModelSpec, Parallel
@@ -93,6 +93,7 @@ def transformer_profile(spec: ModelSpec, hw: Hardware, par: Parallel = Parallel(
             tuple(sorted(index[u] for u in a.users)),
             tuple(sorted(index[p] for p in a.producers)),
             a.deps,
+            **mask_packing(a.key, a.bytes, hw),
         )
         for a in builder.saved
     ]
@@ -105,6 +106,19 @@ def transformer_profile(spec: ModelSpec, hw: Hardware, par: Parallel = Parallel(
     meta = {"source": "analytic", "hardware": hw.name, "hardware_digest": hw.digest, **spec.to_meta(),
             **par.to_meta()}
     return StepProfile(name=name or spec.name, ops=tuple(ops), activations=tuple(acts), meta=tuple(meta.items()))
+
+
+def mask_packing(key: str, nbytes: int, hw: Hardware) -> dict:
+    """A dropout mask is packable (PACK, docs/packing.md): CUDA's `native_dropout` saves it as
+    `bool`, which the runtime's profiler marks two-valued by its dtype (runtime/tracing.py) and
+    packs to a bit per element. Its packing and unpacking kernels are memory-bound, each way at
+    the preset's elementwise rate (`Hardware.elementwise_s`) over the bytes read and written."""
+    if not key.endswith(MASK_SUFFIX):
+        return {}
+    packed = packed_size(nbytes, MASK_BYTES)
+    if packed >= nbytes:
+        return {}  # (a mask of a few elements: its two patterns alone are as large)
+    return {"packed_bytes": packed, "pack_s": hw.elementwise_s(nbytes + packed)}
 
 
 def layer_forward_flops(spec: ModelSpec, par: Parallel = Parallel()) -> float:
