@@ -200,8 +200,9 @@ def deepcompile_row(args, build, step, ids):
                             ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
         deepspeed.init_distributed()
+        # (SGD under ZeRO: DeepSpeed asks for the flag, as the 2026-12-04 H200 run said)
         config = {"train_micro_batch_size_per_gpu": args.batch, "zero_optimization": {"stage": 1},
-                  "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+                  "zero_allow_untested_optimizer": True, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
                   "compile": {"deepcompile": True, "offload_activation": True}}
         engine, *_ = deepspeed.initialize(model=build(None), config=config)
         engine.compile()
