@@ -231,6 +231,16 @@ def part_medium(args, device, gpu: Gpu) -> None:
         torch.cuda.empty_cache()
 
 
+def release_pinned_cache() -> None:
+    """Pinned blocks freed by tensors stay in torch's host caching allocator until emptied."""
+    import gc
+
+    gc.collect()
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
 def part_xl(args, device, gpu: Gpu) -> None:
     import slackswap_ds as ss
 
@@ -242,9 +252,14 @@ def part_xl(args, device, gpu: Gpu) -> None:
     per_sample = small.total_bytes / 2
     capacity = torch.cuda.get_device_properties(device).total_memory if gpu.cuda else 64 * per_sample
     batch = max(16, int(1.1 * capacity / per_sample) + 1) if not args.dry_run else 2
+    # what leaves the GPU goes to pinned host memory: the run at 0.5 pins up to half of keep-all; on the
+    # 2026-12-04 H200 (125 GiB of host memory) micro-batch 35 was killed by the host. Within 60% of it:
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    while not args.dry_run and batch > 16 and 0.5 * per_sample * batch > 0.6 * host:
+        batch -= 1
     say(f"== 3. GPT-2 XL shape ({layers} layers, hidden {hidden}, seq {seq}, bf16) at micro-batch {batch}: keep-all "
-        f"would save {per_sample * batch / 1e9:.0f} GB, the GPU has {capacity / 1e9:.0f} GB; 5 SGD steps under "
-        f"SlackSwap @0.5 and under full checkpointing")
+        f"would save {per_sample * batch / 1e9:.0f} GB, the GPU has {capacity / 1e9:.0f} GB, the host "
+        f"{host / 1e9:.0f} GB; 5 SGD steps under SlackSwap @0.5 and under full checkpointing")
     model.zero_grad(set_to_none=True)
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ids = torch.randint(1, vocab, (batch, seq), device=device)
@@ -271,6 +286,7 @@ def part_xl(args, device, gpu: Gpu) -> None:
             f"(GPU free before: {free / 1e9:.1f} GB); profiled step peak "
             f"{int(dict(prof.meta)['profiled_peak_bytes']) / 1e9:.1f} GB")
         plan = ss.plan(prof, args.hardware, 0.5)
+        release_pinned_cache()  # (the profiled step's pinned buffers, back to the host for the run's pool)
         model.load_state_dict(start)
         model.zero_grad(set_to_none=True)
         ex = ss.apply(model, plan, prof)

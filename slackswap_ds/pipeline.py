@@ -286,8 +286,7 @@ def plan_stage(job: Job, hw, stage: int, budget: float, planner: str = "slackswa
     # simulated again on purpose: with ZeRO-Offload's gradient copies, on the link as it is shared
     schedule = with_offload_traffic(planned.schedule, profile, traffic)
     res = simulate(schedule, run_share.limit(hw), record=False)
-    stored = plan.stored_bytes(profile)  # (a packed tensor is kept packed)
-    kept = sum(stored[a.key] for a in profile.activations if plan.decision[a.key] is Decision.KEEP)
+    kept = sum(n for k, n in plan.stored_bytes(profile).items() if plan.decision[k] is Decision.KEEP)  # (packed: packed)
     return StagePlan(stage, job.stage_layers(stage), k, profile, plan, res, stage_budget, keep_all_bytes, kept)
 
 

@@ -211,9 +211,19 @@ def test_gpu_validate_dry_run_exercises_its_code_on_cpu(capsys):
     pytest.importorskip("transformers")
     from benchmarks import gpu_validate
 
-    assert gpu_validate.main(["--dry-run", "--repeats", "1"]) == 0
+    assert gpu_validate.main(["--dry-run", "--repeats", "1", "--trace"]) == 0
     out = capsys.readouterr().out
     assert "FAILED" not in out and "slackswap @0.5" in out and "throughput ratio" in out
+    assert "slackswap step counters: hooks host" in out and "Self CPU time total" in out  # (--trace)
+
+
+def test_gpu_validate_runs_the_parts_it_is_given(capsys):
+    pytest.importorskip("transformers")
+    from benchmarks import gpu_validate
+
+    assert gpu_validate.main(["--dry-run", "--repeats", "1", "--parts", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "activation_budget \"auto\"" in out and "GPT-2 medium" not in out and "compiled side by side" not in out
 
 
 @pytest.mark.slow  # (suite time: about 15 s)
