@@ -148,7 +148,7 @@ def meta_of(t: torch.Tensor) -> tuple:
 def rebuild(storage_owner: torch.Tensor, meta: tuple) -> torch.Tensor:
     """A tensor with `meta` (dtype, shape, stride, offset) over the storage of `storage_owner`."""
     dtype, shape, stride, offset = meta
-    with no_dispatch(), torch.no_grad():
+    with no_dispatch():  # (a fresh tensor that requires no grad: set_ records nothing, grad mode or not)
         return torch.empty(0, dtype=dtype, device=storage_owner.device).set_(
             storage_owner.untyped_storage(), offset, shape, stride)
 

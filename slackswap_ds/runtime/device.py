@@ -243,11 +243,12 @@ class Device:
     _current_lock: ClassVar[threading.Lock] = threading.Lock()
 
     __slots__ = ("_acc", "_name", "_torch_device", "_has_streams", "_d2h", "_h2d", "_lock", "_counts",
-                 "_pinning", "_in_flight")
+                 "_pinning", "_in_flight", "_issue_copy")
 
     def __init__(self, accelerator=None):
         acc = _default_accelerator() if accelerator is None else accelerator
         self._acc = acc
+        self._issue_copy = getattr(acc, "issue_copy", None)  # (an accelerator that issues copies itself)
         self._name = str(acc.device_name())
         self._torch_device = torch.device(acc.current_device_name())
         stream_cls, event_cls = getattr(acc, "Stream", None), getattr(acc, "Event", None)
@@ -402,8 +403,7 @@ class Device:
         nbytes = src.numel() * src.element_size()
         self._count("h2d", nbytes)
         if dst is None:
-            with torch.no_grad():
-                dst = torch.empty(src.shape, dtype=src.dtype, device=self._torch_device)   # rule 5
+            dst = torch.empty(src.shape, dtype=src.dtype, device=self._torch_device)   # rule 5
         if not self._has_streams:
             self._copy(dst, src, None, "h2d")
             return CopyHandle(self, "h2d", dst, nbytes)
@@ -422,12 +422,14 @@ class Device:
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream, direction: str) -> None:
         """`dst.copy_(src)`, non-blocking on `stream` (None: synchronous). An accelerator may issue
         copies itself (`issue_copy`: the emulated device does, emulation.py; DeepSpeed's do not)."""
-        issue = getattr(self._acc, "issue_copy", None)
-        with torch.no_grad():
-            if issue is not None and stream is not None:
-                issue(dst, src, stream, direction)
-            else:
+        issue = self._issue_copy
+        if issue is not None and stream is not None:
+            issue(dst, src, stream, direction)
+        elif dst.requires_grad or src.requires_grad:
+            with torch.no_grad():
                 dst.copy_(src, non_blocking=stream is not None)
+        else:  # (the hot path: pool buffers and storages' bytes record nothing for autograd)
+            dst.copy_(src, non_blocking=stream is not None)
 
     def synchronize(self) -> None:
         """Block the host until all queued work on the device is done (counted as a host wait)."""
@@ -489,7 +491,7 @@ class Device:
                               f"{tuple(device_t.shape)} {device_t.dtype} on {device_t.device} and "
                               f"{tuple(host_t.shape)} {host_t.dtype} on {host_t.device}; view the host "
                               f"buffer with the device tensor's dtype and shape")
-        if host_t.device.type != "cpu":
+        if not host_t.is_cpu:
             raise DeviceError(f"{op}: the host tensor must be on cpu, got {host_t.device}")
         if device_t.device.type != self._torch_device.type:
             raise DeviceError(f"{op}: the device tensor is on {device_t.device} but this Device is "

@@ -97,6 +97,8 @@ class HostBuffer:
         if self._state != _IN_USE:
             raise HostPoolError(f"view of a host buffer that is {self._state}; acquire a buffer and view it "
                                 f"before releasing it")
+        if dtype is torch.uint8 and len(shape) == 1 and 0 <= shape[0] <= self.nbytes:  # (a swap's bytes: the hot path)
+            return self._data[:shape[0]]  # (a tensor of its own: a caller's metadata change stays its own)
         shape = torch.Size(shape)
         need = shape.numel() * dtype.itemsize
         if need > self.nbytes:
