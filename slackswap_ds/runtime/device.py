@@ -248,7 +248,7 @@ class Device:
     def __init__(self, accelerator=None):
         acc = _default_accelerator() if accelerator is None else accelerator
         self._acc = acc
-        self._issue_copy = getattr(acc, "issue_copy", None)  # (an accelerator that issues copies itself)
+        self._issue_copy = getattr(acc, "issue_copy", None)  # (issues copies itself: the emulated device)
         self._name = str(acc.device_name())
         self._torch_device = torch.device(acc.current_device_name())
         stream_cls, event_cls = getattr(acc, "Stream", None), getattr(acc, "Event", None)
@@ -420,11 +420,9 @@ class Device:
         return CopyHandle(self, "h2d", dst, nbytes, event)
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, stream, direction: str) -> None:
-        """`dst.copy_(src)`, non-blocking on `stream` (None: synchronous). An accelerator may issue
-        copies itself (`issue_copy`: the emulated device does, emulation.py; DeepSpeed's do not)."""
-        issue = self._issue_copy
-        if issue is not None and stream is not None:
-            issue(dst, src, stream, direction)
+        """`dst.copy_(src)`, non-blocking on `stream` (None: synchronous), or the accelerator's `issue_copy`."""
+        if self._issue_copy is not None and stream is not None:
+            self._issue_copy(dst, src, stream, direction)
         elif dst.requires_grad or src.requires_grad:
             with torch.no_grad():
                 dst.copy_(src, non_blocking=stream is not None)
