@@ -25,7 +25,8 @@ GPU's); a plan over its budget counts as no plan ("-"). A row's verdicts:
 
 How each default plan was found (`Planned.found`, words of planners/refine.FOUND) is counted under each table,
 and which fates each planner's plans used in it (K keep, S swap, R recompute, P pack: what the plans did,
-not what a planner could do; the presets' profiles mark nothing packable, so no plan here packs). Writes
+not what a planner could do: the presets mark their dropout masks packable, and the default planner packs
+only where that simulates faster). Writes
 anchor_table.json (every planner's row) beside the text.
 
     PYTHONPATH=. python benchmarks/anchor_table.py             # everything (about half an hour here)

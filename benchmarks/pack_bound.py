@@ -48,10 +48,10 @@ from slackswap_ds.planners.slackswap import plan_slackswap
 from slackswap_ds.sim_report import PAPER_THROUGHPUT_PCT
 from slackswap_ds.step_profile import StepProfile
 from slackswap_ds.workloads import workload
+from slackswap_ds.workloads.builder import MASK_SUFFIX
 
 HARDWARE = ("a100-80g-pcie4", "h100-pcie5", "gh200")
 WORKLOADS = ("bert-large", "gpt2-xl", "llama-7b")
-MASK = "dropout.mask"  # the analytic layer's mask keys end so (workloads/layer.py)
 BITS = 8
 SOLVE = MilpOptions(time_limit_s=60.0)
 
@@ -61,7 +61,7 @@ def packed(profile: StepProfile, hw: Hardware, kernel_cost: bool) -> StepProfile
     forward pays a pack kernel and its first reader's backward an unpack kernel."""
     ops, acts = list(profile.ops), []
     for a in profile.activations:
-        if a.key.endswith(MASK):
+        if a.key.endswith(MASK_SUFFIX):
             small = -(-a.bytes // BITS)
             if kernel_cost:
                 moved = hw.elementwise_s(a.bytes + small)
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             profile = workload(name, hw)
             ideal_s = keep_all_result(profile, hw).step_s
-            masks = sum(a.bytes for a in profile.activations if a.key.endswith(MASK))
+            masks = sum(a.bytes for a in profile.activations if a.key.endswith(MASK_SUFFIX))
             for fraction in parse_floats(args.budgets):
                 budget_bytes = Budget.parse(fraction).of(profile.total_bytes)
                 row = dict(hardware=hname, workload=name, budget=fraction, mask_share=masks / profile.total_bytes,

@@ -362,7 +362,7 @@ def test_anchor_table_quick_says_its_verdicts_from_its_own_rows(tmp_path, capsys
         used = "".join(f for f, field in (("K", "kept_bytes"), ("S", "swapped_bytes"), ("R", "recomputed_bytes"),
                                           ("P", "packed_bytes")) if row["feasible"] and row[field]) or "-"
         assert f" {planner} {used}" in fates
-    assert " torchtitan-op-sac KR" in fates and "P" not in fates.split(": ", 1)[1]  # (no swaps; presets: no packs)
+    assert " torchtitan-op-sac KR" in fates and "P" not in fates.split(": ", 1)[1]  # (no swaps; bert-large 0.5 packs no mask: pack_bound)
 
 
 @pytest.mark.slow

@@ -64,8 +64,6 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
         plain = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, budget_s=budget_s)
     except BudgetInfeasibleError:
         plain = None  # (packing may fit where nothing else does)
-    if plain is not None and plain.found == "greedy-ideal":
-        return plain  # as fast as keeping everything: packing cannot gain
     packed = with_packing(profile, hw, budget_bytes, share, holds,
                           lambda view, target: _searched(view, hw, target, share, holds, budget_s),
                           planner=NAME, version=VERSION)
