@@ -37,6 +37,12 @@ from .files import read_json
 _LAYER_INDEX = re.compile(r"(?<=\.)\d+(?=[.:]|$)")
 
 
+def layer_class(key: str) -> str:
+    """An op's or activation's key with its layer index replaced by ``*`` (``layers.3.attn:q`` ->
+    ``layers.*.attn:q``): equal for the same op or tensor of identical layers."""
+    return _LAYER_INDEX.sub("*", key, count=1)
+
+
 def packed_size(nbytes: int, width: int) -> int:
     """Bytes of a storage of `nbytes` in elements of `width` bytes once packed (runtime/packing.py):
     its two bit patterns, then one bit per element."""
@@ -114,7 +120,7 @@ class Activation:
     @property
     def layer_class(self) -> str:
         """The key with its layer index replaced by ``*``: equal for the same tensor in identical layers."""
-        return _LAYER_INDEX.sub("*", self.key, count=1)
+        return layer_class(self.key)
 
     def to_json(self) -> dict:
         out = {

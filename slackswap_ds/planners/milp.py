@@ -17,7 +17,9 @@ model budget is lowered by the overshoot and the MILP solved again (`common.repa
 
 A solve may start from a plan (`start`: the greedy planner's, in the default planner): HiGHS takes
 its decisions as the first incumbent, so a solve stopped by its time limit is never worse than it,
-and the branch and bound prunes against it from the root on (scipy's `milp` takes no start).
+and the branch and bound prunes against it from the root on (scipy's `milp` takes no start). A solve
+may tie the variables of identical layers (`ties`, planners/ties.py): the same MILP restricted, much
+faster to search.
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 
 import numpy as np
 
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
 from .common import Planned, RegionModel, release, repair
+from .ties import NO_TIES, Ties
 
 class OutOfTime(Exception):
     """The search's time ran out before HiGHS found any plan (not a proof that none exists)."""
@@ -116,6 +120,7 @@ class MilpSolve:
 class MilpResult:
     planned: Planned
     solves: tuple[MilpSolve, ...]  # in order; the last one made the plan
+    decisions: Mapping[str, Decision] = field(default_factory=dict)  # the last solve's, before `release`
 
     @property
     def plan(self) -> Plan:
@@ -128,12 +133,15 @@ class MilpResult:
 
 def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool, planner: str,
                       options: MilpOptions = MilpOptions(), deadline: float | None = None,
-                      version: str = "1", start: Mapping[str, Decision] | None = None) -> MilpResult:
+                      version: str = "1", start: Mapping[str, Decision] | None = None,
+                      ties: Ties = NO_TIES) -> MilpResult:
     """The MILP's plan (through the repair loop every planner shares) and every solve it took.
     `deadline` (a `time.perf_counter()` value): every solve stops by then, taking HiGHS's best plan
     so far; OutOfTime if a solve has none (or the time is gone before a repair's solve starts).
-    `start`: a plan's decisions every solve begins from (ignored by HiGHS where they break a row)."""
+    `start`: a plan's decisions every solve begins from (ignored by HiGHS where they break a row).
+    `ties` (planners/ties.py): variables the solves share, a restriction of the MILP."""
     solves: list[MilpSolve] = []
+    raw: list[dict[str, Decision]] = []
 
     def decide(target: int) -> dict[str, Decision]:
         limited = options
@@ -142,20 +150,21 @@ def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool
             if left <= 0:
                 raise OutOfTime(f"{planner}: no time left for a solve")
             limited = replace(options, time_limit_s=min(options.time_limit_s, left))
-        dec, solve = _solve(model, target, allow_swap, limited, planner, start)
+        dec, solve = _solve(model, target, allow_swap, limited, planner, start, ties)
         solves.append(solve)
+        raw.append(dec)
         return release(model, dec, target)
 
     planned = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, version=version,
                      holds=model.holds)
-    return MilpResult(planned, tuple(solves))
+    return MilpResult(planned, tuple(solves), MappingProxyType(raw[-1]))
 
 
 def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptions, planner: str,
-           start: Mapping[str, Decision] | None) -> tuple[dict[str, Decision], MilpSolve]:
+           start: Mapping[str, Decision] | None, ties: Ties = NO_TIES) -> tuple[dict[str, Decision], MilpSolve]:
     # The families are added in this order on purpose: columns and rows reach HiGHS in the order
     # they are created, and a different order may tie-break to a different optimum.
-    milp_model = _MilpModel(model, allow_swap)
+    milp_model = _MilpModel(model, allow_swap, ties)
     milp_model.decision_variables()
     milp_model.choice_rows()
     milp_model.memory_rows(budget)
@@ -190,10 +199,12 @@ class _Found:
 
 class _MilpModel:
     """The MILP of one solve (the formulation in the module docstring), one constraint family per
-    method, as a sparse matrix in coordinate form."""
+    method, as a sparse matrix in coordinate form. With `ties` (planners/ties.py), the activations
+    and ops it ties share their columns: a restriction of the same MILP (every plan it finds is one
+    of the full MILP's), with as many binaries as it has tie groups."""
 
-    def __init__(self, model: RegionModel, allow_swap: bool) -> None:
-        self.model, self.profile = model, model.profile
+    def __init__(self, model: RegionModel, allow_swap: bool, ties: Ties = NO_TIES) -> None:
+        self.model, self.profile, self.ties = model, model.profile, ties
         self.acts = model.profile.activations
         self.nreg = len(model.regions)
         self.col: dict[tuple[str, object], int] = {}  # (kind, key) -> column
@@ -209,14 +220,28 @@ class _MilpModel:
         self.by_region: list[list[int]] = [[] for _ in range(self.nreg)]
         for i in range(len(self.acts)):
             self.by_region[self.region[i]].append(i)
+        self.ops_by_region: list[list[int]] = [[] for _ in range(self.nreg)]
+        for o, op in enumerate(self.profile.ops):
+            self.ops_by_region[model.index[op.region]].append(o)
         # Rows in bytes (up to 1e11) beside costs in seconds (down to 1e-5) are badly scaled for
         # HiGHS's tolerances: it stalls at the root node. Bytes are counted in units of the largest
         # tensor and seconds in units of the longest op, so every coefficient is at most 1.
         self.byte_unit = float(max((a.bytes for a in self.acts), default=1) or 1)
         self.second_unit = max((o.fwd_s for o in self.profile.ops), default=1.0) or 1.0
 
+    def _tied(self, kind: str, key: object) -> tuple[str, object]:
+        if kind in ("s", "r"):
+            return kind, self.ties.acts.get(key, key)
+        if kind == "u":
+            return kind, self.ties.ops.get(key, key)
+        return kind, key
+
     def var(self, kind: str, key: object) -> int:
-        return self.col.setdefault((kind, key), len(self.col))
+        return self.col.setdefault(self._tied(kind, key), len(self.col))
+
+    def column(self, kind: str, key: object) -> int | None:
+        """The column of variable `kind` of activation (s, r) or op (u) `key`, None if it has none."""
+        return self.col.get(self._tied(kind, key))
 
     def add(self, coefs: dict[int, float], lower: float, upper: float) -> None:
         row = len(self.lo)
@@ -232,8 +257,9 @@ class _MilpModel:
         out: dict[int, float] = {}
         for i in self.by_region[r]:
             for kind in kinds:
-                if (kind, self.acts[i].key) in self.col:
-                    out[self.col[kind, self.acts[i].key]] = weight(self.acts[i])
+                j = self.column(kind, self.acts[i].key)
+                if j is not None:
+                    out[j] = out.get(j, 0.0) + weight(self.acts[i])
         return out
 
     def decision_variables(self) -> None:
@@ -249,13 +275,18 @@ class _MilpModel:
 
     def choice_rows(self) -> None:
         """s[a] + r[a] <= 1; u[o] >= r[a] for o in producers(a)."""
-        col = self.col
+        seen = set()  # (tied activations share their rows too)
         for i, a in enumerate(self.acts):
-            if self.swappable[i] and a.recomputable:
-                self.add({col["s", a.key]: 1, col["r", a.key]: 1}, -np.inf, 1)
+            s, r = self.column("s", a.key), self.column("r", a.key)
+            if self.swappable[i] and a.recomputable and ("sr", s, r) not in seen:
+                seen.add(("sr", s, r))
+                self.add({s: 1, r: 1}, -np.inf, 1)
             if a.recomputable:
                 for p in a.producers:
-                    self.add({col["u", p]: 1, col["r", a.key]: -1}, 0, np.inf)
+                    u = self.column("u", p)
+                    if ("ur", u, r) not in seen:
+                        seen.add(("ur", u, r))
+                        self.add({u: 1, r: -1}, 0, np.inf)
 
     def memory_rows(self, budget: int) -> None:
         """M(r) <= budget for every region r.
@@ -296,12 +327,14 @@ class _MilpModel:
         released at the start of op i+1. Backlog Q[b] >= Q[b-1] + released(b) - fwd(op b), Q >= 0,
         Q[n] = 0; equivalent to "for every k, copies released from op k on fit under ops k..".
         """
-        model, profile, col = self.model, self.profile, self.col
+        model, profile = self.model, self.profile
         nops = len(profile.ops)
         released: list[dict[int, float]] = [{} for _ in range(nops + 1)]
         for a in self.acts:
-            if ("s", a.key) in col:
-                released[a.saved_at + 1][col["s", a.key]] = -model.copy_s(a.bytes, model.d2h_bps) / self.second_unit
+            j = self.column("s", a.key)
+            if j is not None:
+                out = released[a.saved_at + 1]
+                out[j] = out.get(j, 0.0) - model.copy_s(a.bytes, model.d2h_bps) / self.second_unit
         Q = [self.var("Q", b) for b in range(nops + 1)]
         for b in range(nops + 1):
             window = profile.ops[b].fwd_s / self.second_unit if b < nops else 0.0
@@ -317,9 +350,10 @@ class _MilpModel:
         for r in range(self.nreg - 1):
             back = self.terms(r, ("s",), lambda a: model.copy_s(a.bytes, model.h2d_bps) / unit)
             if back:
-                for (kind, key), j in self.col.items():
-                    if kind == "u" and model.index[profile.ops[key].region] == r + 1:
-                        back[j] = back.get(j, 0.0) - profile.ops[key].fwd_s / unit
+                for o in self.ops_by_region[r + 1]:
+                    j = self.column("u", o)
+                    if j is not None:
+                        back[j] = back.get(j, 0.0) - profile.ops[o].fwd_s / unit
                 self.add(back, -np.inf, model.bwd_s[r + 1] / unit)
 
     def host_pool_row(self) -> None:
@@ -327,7 +361,11 @@ class _MilpModel:
         model = self.model
         if model.share.host_pool_bytes is not None:
             unit = self.byte_unit
-            pool = {self.col["s", a.key]: a.bytes / unit for a in self.acts if ("s", a.key) in self.col}
+            pool: dict[int, float] = {}
+            for a in self.acts:
+                j = self.column("s", a.key)
+                if j is not None:
+                    pool[j] = pool.get(j, 0.0) + a.bytes / unit
             if pool:
                 self.add(pool, -np.inf, model.share.host_pool_bytes // model.holds / unit)
 
@@ -340,9 +378,10 @@ class _MilpModel:
         lp = highspy.HighsLp()
         lp.num_col_, lp.num_row_ = n, len(self.lo)
         cost = np.zeros(n)
-        for (kind, key), j in self.col.items():
-            if kind == "u":
-                cost[j] = self.profile.ops[key].fwd_s / self.second_unit
+        for o, op in enumerate(self.profile.ops):
+            j = self.column("u", o)
+            if j is not None:
+                cost[j] += op.fwd_s / self.second_unit
         lp.col_cost_ = cost
         lp.col_lower_ = np.zeros(n)
         lp.col_upper_ = np.r_[np.ones(n_binary), np.full(n - n_binary, inf)]
@@ -374,25 +413,30 @@ class _MilpModel:
                       h.modelStatusToString(status), status == highspy.HighsModelStatus.kTimeLimit)
 
     def binaries(self, decisions: Mapping[str, Decision]) -> np.ndarray:
-        """The binary columns' values for a plan's decisions (a swap the model cannot make is 0)."""
+        """The binary columns' values for a plan's decisions (a swap the model cannot make is 0; with
+        ties, the plan's tied layers must decide alike: each group's first layer says)."""
         x = np.zeros(self.n_binary)
         for a in self.acts:
+            if a.key in self.ties.acts:
+                continue  # (a tied activation's columns are its representative's: that one says)
             fate = decisions.get(a.key, Decision.KEEP)
-            if fate is Decision.SWAP and ("s", a.key) in self.col:
-                x[self.col["s", a.key]] = 1
-            elif fate is Decision.RECOMPUTE and ("r", a.key) in self.col:
-                x[self.col["r", a.key]] = 1
+            s, r = self.column("s", a.key), self.column("r", a.key)
+            if fate is Decision.SWAP and s is not None:
+                x[s] = 1
+            elif fate is Decision.RECOMPUTE and r is not None:
+                x[r] = 1
                 for p in a.producers:
-                    x[self.col["u", p]] = 1
+                    x[self.column("u", p)] = 1
         return x
 
     def decode(self, solution) -> dict[str, Decision]:
         x = np.round(solution).astype(int)
-        col, dec = self.col, {}
+        dec = {}
         for a in self.acts:
-            if ("s", a.key) in col and x[col["s", a.key]]:
+            s, r = self.column("s", a.key), self.column("r", a.key)
+            if s is not None and x[s]:
                 dec[a.key] = Decision.SWAP
-            elif ("r", a.key) in col and x[col["r", a.key]]:
+            elif r is not None and x[r]:
                 dec[a.key] = Decision.RECOMPUTE
             else:
                 dec[a.key] = Decision.KEEP

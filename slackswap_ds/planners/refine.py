@@ -9,7 +9,13 @@ but its time grows with the model: planning runs once per input shape, so the se
 `REFINE_BUDGET_S` of wall-clock time ($SLACKSWAP_PLAN_SEARCH_S sets another; 0 turns it off), and
 when that runs out the better of HiGHS's best plan so far and the greedy plan is kept, and the plan
 line says so. Both plans are simulated on the rank's share; the faster simulated step wins (ties:
-the greedy plan, which needs no solver)."""
+the greedy plan, which needs no solver).
+
+Identical layers make the MILP slow to search (planners/ties.py): HiGHS meets each choice once per
+layer. So the search first solves the MILP with every 8 identical layers tied (for up to half its
+time), then the full MILP from the faster of that plan and the greedy's: on the anchor table's hard
+cells (GH200's GPT-2 XL at 0.3-0.6, the 7B models at 0.2) it reaches or nears the optimum where 2 s of
+the full MILP alone stopped 0.1-0.6 points short (docs/benchmarks.md, "Identical layers tied")."""
 
 from __future__ import annotations
 
@@ -21,21 +27,48 @@ from dataclasses import replace
 from ..errors import BudgetInfeasibleError, PlanError
 from .common import Planned, RegionModel, keep_all_result
 from .milp import MilpOptions, OutOfTime, solve_region_milp
+from .ties import layer_ties
 
 REFINE_BUDGET_S = 2.0  # wall-clock seconds of exact search per plan (a job plans once per input shape)
 # how close to the region model's optimum a plan must be proven, relative to the step it predicts
 # (the keep-all step plus recompute): 1e-4 is 0.01 points of throughput
 STEP_GAP = 1e-4
+# The search with identical layers tied (planners/ties.py) first, then the full MILP from the faster plan: how
+# many layers a group ties, and the share of the search's time the tied search may take. Chosen on the anchor
+# table's 173 cells below 99.995% of ideal (scratch sweeps, 2026-12-04, docs/benchmarks.md "Identical layers
+# tied"): groups of 8 with 0.4-0.55 of the time were best; of 6 worse; 8 then 4, or all layers as one group first,
+# worse still (each level's time taken from the full search).
+TIE_GROUP = 8
+TIED_SHARE = 0.5
 BUDGET_ENV = "SLACKSWAP_PLAN_SEARCH_S"  # another budget in seconds (0: the greedy plan alone)
 # `Planned.found`: which plan was kept and why, in one word each
 FOUND = {
     "exact-proven": "the exact search's plan, proven within its gap",
     "exact-stopped": "the exact search's plan when its time ran out",
+    "exact-tied": "the exact search's plan with identical layers tied, the full search finding none faster in its time",
     "greedy-ideal": "the greedy plan, as fast as keeping everything",
     "greedy-tie": "the greedy plan, as fast as the exact search's",
     "greedy-faster": "the greedy plan, faster in the simulator than the exact search's",
     "greedy-alone": "the greedy plan, the exact search off or without a plan",
 }
+
+
+def _tied_search(greedy: Planned | None, model: RegionModel, budget_bytes: int, options: MilpOptions,
+                 deadline: float, *, planner: str, version: str) -> Planned | None:
+    """The faster, by simulated step, of `greedy` (None: it found no plan) and the MILP's plan with
+    every TIE_GROUP identical layers tied (planners/ties.py), found by `deadline`. The tied search
+    starts from nothing: the greedy plan cannot start it (its layers do not decide alike), and its
+    recompute time as a cutoff (HiGHS's `objective_bound`) made HiGHS slower, not faster (Mistral-7B
+    on the h100 preset at 0.3: its optimum in 0.39 s without, 2.0 s with)."""
+    ties = layer_ties(model, TIE_GROUP)
+    if not ties.groups:
+        return greedy
+    try:
+        tied = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
+                                 options=options, deadline=deadline, ties=ties)
+    except (OutOfTime, BudgetInfeasibleError):
+        return greedy
+    return greedy if greedy is not None and greedy.result.step_s <= tied.planned.result.step_s else tied.planned
 
 
 def search_budget_s() -> float:
@@ -63,27 +96,32 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
     if greedy is not None and greedy.result.step_s <= ideal_s * (1 + 1e-12):
         return replace(greedy, search="greedy, as fast as keeping everything (nothing for the exact search to gain)",
                        found="greedy-ideal")
-    exact = None
     if budget_s > 0:
         import highspy  # noqa: F401  (its import, once a process, is not search time)
     start = time.perf_counter()
+    seed, exact = greedy, None
     if budget_s > 0:
         options = MilpOptions(time_limit_s=budget_s, mip_abs_gap_s=STEP_GAP * ideal_s)
+        seed = _tied_search(greedy, model, budget_bytes, options, start + TIED_SHARE * budget_s,
+                            planner=planner, version=version)
         try:
             exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
                                       options=options, deadline=start + budget_s,
-                                      start=None if greedy is None else greedy.plan.decision)
+                                      start=None if seed is None else seed.plan.decision)
         except OutOfTime:
             pass
         except BudgetInfeasibleError:
-            if greedy is None:
+            if seed is None:
                 raise
     took = time.perf_counter() - start
-    if exact is None:
+    if exact is None or (seed is not greedy and seed.result.step_s < exact.planned.result.step_s):
         none = f"is off (${BUDGET_ENV}=0)" if budget_s <= 0 else f"found no plan in its {budget_s:g} s"
-        if greedy is None:
+        if seed is None:
             raise BudgetInfeasibleError(f"{planner}: the greedy search found no plan within {budget_bytes:,} B "
                                         f"and the exact search {none}")
+        if seed is not greedy:  # (the full search found none faster, or none at all, in its time)
+            return replace(seed, search=f"exact search with identical layers tied (not proven optimal; {took:.2f} s)",
+                           found="exact-tied")
         return replace(greedy, search=f"greedy; the exact search {none}", found="greedy-alone")
     last = exact.last
     proven = not last.stopped_early

@@ -22,8 +22,9 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
 5. Check and improve. Simulate; if the simulator's peak overshoots (copy latency, transients the
    model does not see), tighten the model budget by the overshoot and continue from step 3; if
    prefetches stall compute, try earlier triggers; keep the fastest feasible plan.
-6. Refine (refine.py). The region model's MILP within a wall-clock budget; the faster simulated
-   plan of the two is kept. Steps 1-5 alone are the `slackswap-greedy` planner.
+6. Refine (refine.py). The region model's MILP within a wall-clock budget, identical layers tied
+   first (ties.py), then the full MILP from the better plan; the faster simulated plan is kept.
+   Steps 1-5 alone are the `slackswap-greedy` planner.
 7. Pack (packing.py). Where the profile has packable tensors, steps 1-6 run again on its packed
    view and the plan packs what the budget needs; the faster simulated plan is kept.
 """
@@ -44,7 +45,7 @@ from .common import Planned, RegionModel, keep_all, keep_all_result, region_peak
 from .packing import packed_view, with_packing
 from .refine import refined, search_budget_s
 
-NAME, VERSION = "slackswap", "6"
+NAME, VERSION = "slackswap", "7"
 GREEDY = "slackswap-greedy"
 
 

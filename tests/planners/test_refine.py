@@ -112,3 +112,23 @@ def test_a_solve_started_from_a_plan_begins_at_that_plan(a100, gpt2):
     assert started.planned.result.step_s <= greedy.result.step_s * (1 + 1e-12), (started.last, greedy.result.step_s)
     cold = solve_region_milp(model, budget, allow_swap=True, planner="optimal", options=first_plan)
     assert cold.planned.result.step_s > greedy.result.step_s, (cold.last, cold.planned.result.step_s)  # a rough one
+
+
+def test_the_tied_search_plan_is_kept_where_the_full_search_finds_none(a100, gpt2, monkeypatch):
+    """Identical layers tied first (planners/ties.py): where the full MILP finds no plan in its time,
+    the tied MILP's plan is kept if it is faster than the greedy's, and the plan line says so."""
+    import slackswap_ds.planners.refine as refine
+
+    real = refine.solve_region_milp
+
+    def full_search_out_of_time(*args, ties=None, **kwargs):
+        if ties is None:
+            raise OutOfTime("the full search, out of time (this test)")
+        return real(*args, ties=ties, **kwargs)
+
+    monkeypatch.setattr(refine, "solve_region_milp", full_search_out_of_time)
+    budget = resolve_budget(0.5, gpt2)
+    greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
+    kept = refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap", version="7", budget_s=30.0)
+    assert kept.found == "exact-tied" and kept.search.startswith("exact search with identical layers tied")
+    assert kept.result.step_s < greedy.result.step_s and kept.result.feasible and kept.peak_bytes <= budget
