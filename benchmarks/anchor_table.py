@@ -29,14 +29,21 @@ not what a planner could do: the presets mark their dropout masks packable, and 
 only where that simulates faster). Writes
 anchor_table.json (every planner's row) beside the text.
 
-    PYTHONPATH=. python benchmarks/anchor_table.py             # everything (about half an hour here)
+    PYTHONPATH=. python benchmarks/anchor_table.py             # everything (about 80 min here)
     PYTHONPATH=. python benchmarks/anchor_table.py --quick     # a100, bert-large, budgets 0.3 and 0.7
+    PYTHONPATH=. python benchmarks/anchor_table.py --against benchmarks/reference/anchor_table.json
+
+`--against FILE` plans with the default planner alone and takes every other planner's row from FILE (an
+earlier run's anchor_table.json, for its cells): a check of a change to the default planner against the
+optimum and the anchors in minutes (FILE's rows were printed by the commands and on the day docs/benchmarks.md
+says).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import json
 import sys
 import time
 from pathlib import Path
@@ -73,20 +80,38 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default: benchmarks/results/)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    ap.add_argument("--quick", action="store_true", help="smoke run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items())
+                    + " (with --against: FILE's cells)")
     ap.add_argument("--targets", default=None, help=f"comma-separated GPUs and nodes (default: all of "
                                                     f"{', '.join(HARDWARE + NODES)})")
     ap.add_argument("--workloads", default=None, help="comma-separated presets and config files (default: "
                                                       f"{', '.join(PRESETS + tuple(m for m, _, _ in MODELS))})")
     ap.add_argument("--budgets", default=None, help="comma-separated fractions (default: 0.2,...,0.9)")
+    ap.add_argument("--against", default=None, metavar="FILE",
+                    help="plan with the default planner alone; every other planner's row from FILE (an earlier "
+                         "anchor_table.json), on FILE's cells")
     args = ap.parse_args(argv)
     quick = QUICK if args.quick else {}
+    args.reference = cells = reference_rows(args.against)
+    if cells:  # FILE's cells, unless named here
+        quick = dict(targets=tuple(dict.fromkeys(c[0] for c in cells)), workloads=tuple(dict.fromkeys(c[1] for c in cells)),
+                     budgets=tuple(sorted({c[2] for c in cells})))
     args.targets = parse_names(args.targets) if args.targets else list(quick.get("targets", HARDWARE + NODES))
     args.workloads = (parse_names(args.workloads) if args.workloads
                       else list(quick.get("workloads", PRESETS + tuple(m for m, _, _ in MODELS))))
     args.budgets = ([float(b) for b in args.budgets.split(",")] if args.budgets
                     else list(quick.get("budgets", BUDGETS)))
     return args
+
+
+def reference_rows(path: str | None) -> dict[tuple[str, str, float], dict[str, dict]]:
+    """An earlier run's rows by (target, workload, budget), then planner ({} without a file)."""
+    if path is None:
+        return {}
+    cells: dict[tuple[str, str, float], dict[str, dict]] = collections.defaultdict(dict)
+    for row in json.loads(Path(path).read_text())["rows"]:
+        cells[row["target"], row["workload"], float(row["budget"])][row["planner"]] = row
+    return dict(cells)
 
 
 def target(name: str) -> Target:
@@ -127,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = out_dir(args.out)
     every, text, start = [], [], time.perf_counter()
+    reference = args.reference
     for tname in args.targets:
         tgt = target(tname)
         lines, found = [], collections.Counter()
@@ -136,9 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             profile = profile_of(wname, tgt.hw)
             ideal_s = keep_all_result(profile, tgt.hw).step_s
             for fraction in args.budgets:
+                if reference and (tname, wname, fraction) not in reference:
+                    continue
                 budget_bytes = Budget.parse(fraction).of(profile.total_bytes)
                 rows = {}
                 for planner in PLANNERS:
+                    if reference and planner != "slackswap":
+                        rows[planner] = reference[tname, wname, fraction][planner]
+                        every.append(rows[planner])
+                        fates[planner] |= fates_of(rows[planner])
+                        continue
                     t0 = time.perf_counter()
                     fields, _, _ = run_one(profile, tgt, planner, budget_bytes, ideal_s)
                     rows[planner] = dict(target=tname, workload=wname, budget=fraction, planner=planner,
@@ -177,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                     + "; ".join(f"{p} {''.join(f for f in 'KSRP' if f in fates[p]) or '-'}" for p in PLANNERS))
         print("\n".join(text), flush=True)  # each target's table as soon as it is done
         text.clear()
-        path = out / "anchor_table.json"
+        path = out / ("anchor_table_against.json" if reference else "anchor_table.json")
         write_json(path, {"planners": PLANNERS, "gap_target": GAP_TARGET, "rows": every})
     print(f"\nwrote {path} ({time.perf_counter() - start:.0f} s)")
     return 0

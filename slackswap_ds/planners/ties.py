@@ -1,7 +1,7 @@
 """Identical layers tied together: a coarse copy of the MILP that finds a good plan fast.
 
-A transformer's middle layers are the same region again and again (same tensors, bytes, ops and
-times), and that symmetry is what makes the region model's MILP slow to search: HiGHS meets the
+A transformer's middle layers are the same region again and again (same tensors, bytes and ops;
+in a measured profile, times that differ by noise), and that symmetry is what makes the region model's MILP slow to search: HiGHS meets the
 same choice once per layer, in every order. Tying each group of `group` consecutive identical
 layers (their swap, recompute and re-run variables shared: layer 5 swaps its softmax output exactly
 when layer 4 does) leaves a MILP with `group` times fewer binaries whose plans are all plans of the
@@ -87,15 +87,17 @@ def _region_ops(model: RegionModel) -> list[list[int]]:
 
 
 def _signature(model: RegionModel, r: int, ops: list[int]) -> tuple | None:
-    """What makes region r (whose ops are `ops`) the same layer as another: its ops (key without the
-    layer index, times) and activations (class, bytes, packing, and producers, users and dependencies
-    relative to the region's first op), in order. None for a region whose ops are not contiguous."""
+    """What makes region r (whose ops are `ops`) the same layer as another: its ops' keys without the
+    layer index, and its activations' classes, bytes, packed bytes, and producers, users and dependencies
+    relative to the region's first op, in order. Not times: a measured profile's layers differ by noise,
+    and tying is a restriction whatever the times (each tied column costs its layers' times summed).
+    None for a region whose ops are not contiguous."""
     profile = model.profile
     if not ops or ops != list(range(ops[0], ops[0] + len(ops))):
         return None
     first = ops[0]
-    op_sig = tuple((layer_class(profile.ops[o].key), profile.ops[o].fwd_s, profile.ops[o].bwd_s) for o in ops)
-    act_sig = tuple((a.layer_class, a.bytes, a.packed_bytes, a.pack_s, tuple(p - first for p in a.producers),
+    op_sig = tuple(layer_class(profile.ops[o].key) for o in ops)
+    act_sig = tuple((a.layer_class, a.bytes, a.packed_bytes, tuple(p - first for p in a.producers),
                      tuple(u - first for u in a.users), tuple(layer_class(d) for d in a.deps))
                     for a in profile.region_acts[model.regions[r]])
     return op_sig, act_sig

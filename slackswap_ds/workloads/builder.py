@@ -47,6 +47,7 @@ from .spec import ModelSpec, Parallel
 
 MASK_BYTES = 1  # dropout masks: one byte per element (torch.bool)
 MASK_SUFFIX = "dropout.mask"  # how every dropout mask's key ends (embedding, attention and residual dropout)
+DROPOUT_OUT_SUFFIX = "attn_dropout.out"  # the attention dropout's output (av's backward reads it)
 FP32 = 4  # log-sum-exp, RMSNorm rstd, log-softmax
 
 Comms = tuple[tuple[str, float], ...]  # (collective kind, buffer bytes) each

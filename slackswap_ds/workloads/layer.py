@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attention_rates import AttentionShape
-from .builder import FP32, MASK_BYTES, CostBuilder
+from .builder import DROPOUT_OUT_SUFFIX, FP32, MASK_BYTES, CostBuilder
 
 # The unit a causal mask skips: FlashAttention-2's query/key block (Dao 2023, arXiv 2307.08691, Sec. 3.3:
 # block sizes chosen from {64, 128} x {64, 128}). 128 is assumed; with 64 the diagonal's extra work halves
@@ -176,8 +176,8 @@ def _attention_core(builder: CostBuilder, shape: LayerShape, qkv_producers: list
         av = builder.matmul(region, module, "av", av_shape, av_elements)
         builder.save(softmax_out, score_elements * bytes_per_element, [softmax], [scores, softmax], [q, k])
         builder.save(f"{module}:attn_dropout.mask", score_elements * MASK_BYTES, [dropout], [dropout], [softmax_out])
-        builder.save(f"{module}:attn_dropout.out", score_elements * bytes_per_element, [av], [dropout], [softmax_out])
-        probs = f"{module}:attn_dropout.out"
+        probs = f"{module}:{DROPOUT_OUT_SUFFIX}"
+        builder.save(probs, score_elements * bytes_per_element, [av], [dropout], [softmax_out])
     else:
         av = builder.matmul(region, module, "av", av_shape, av_elements)
         builder.save(softmax_out, score_elements * bytes_per_element, [softmax, av], [scores, softmax], [q, k])

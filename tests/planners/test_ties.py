@@ -6,6 +6,7 @@ import dataclasses
 import pytest
 
 from slackswap_ds.budget import resolve_budget
+from slackswap_ds.plan import Decision
 from slackswap_ds.planners.common import RegionModel
 from slackswap_ds.planners.milp import MilpOptions, solve_region_milp
 from slackswap_ds.planners.ties import EDGE, NO_TIES, identical_runs, layer_ties
@@ -63,3 +64,18 @@ def test_a_tied_plan_is_a_plan_of_the_full_milp_whose_tied_layers_decide_alike(a
     again = solve_region_milp(model, budget, allow_swap=True, planner="optimal", start=tied.decisions)
     assert again.last.objective_s <= tied.last.objective_s * (1 + 1e-9)
 
+
+
+def test_measured_layers_whose_times_differ_by_noise_are_still_one_run(a100, gpt2):
+    """A profile measured on a device times each layer's ops a little differently: the layers are tied
+    all the same (a tied column costs its layers' times summed, so the tied MILP prices them right)."""
+    ops = tuple(dataclasses.replace(o, fwd_s=o.fwd_s * (1 + 0.01 * (i % 7)), bwd_s=o.bwd_s * (1 - 0.01 * (i % 5)))
+                for i, o in enumerate(gpt2.ops))
+    noisy = dataclasses.replace(gpt2, ops=ops)
+    model = RegionModel(noisy, a100)
+    assert identical_runs(model) == [list(range(1, 9))]
+    budget = resolve_budget(0.4, noisy)
+    tied = solve_region_milp(model, budget, allow_swap=True, planner="optimal", ties=layer_ties(model, 2))
+    # its objective is the re-run time of its plan in the noisy profile's own op times
+    rerun = {p for a in noisy.activations if tied.decisions[a.key] is Decision.RECOMPUTE for p in a.producers}
+    assert tied.last.objective_s == pytest.approx(sum(noisy.ops[o].fwd_s for o in rerun), rel=1e-6)
