@@ -31,18 +31,19 @@ anchor_table.json (every planner's row) beside the text.
 
     PYTHONPATH=. python benchmarks/anchor_table.py             # everything (about 80 min here)
     PYTHONPATH=. python benchmarks/anchor_table.py --quick     # a100, bert-large, budgets 0.3 and 0.7
-    PYTHONPATH=. python benchmarks/anchor_table.py --against benchmarks/reference/anchor_table.json
+    PYTHONPATH=. python benchmarks/anchor_table.py --against benchmarks/reference/anchor_table.json.gz
 
 `--against FILE` plans with the default planner alone and takes every other planner's row from FILE (an
-earlier run's anchor_table.json, for its cells): a check of a change to the default planner against the
-optimum and the anchors in minutes (FILE's rows were printed by the commands and on the day docs/benchmarks.md
-says).
+earlier run's anchor_table.json, gzipped or not, for its cells): a check of a change to the default planner
+against the optimum and the anchors in minutes. benchmarks/reference/anchor_table.json.gz holds every planner
+but the default's rows of the whole table as run on 2026-12-04 (its "note" says how; docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import json
 import sys
 import time
@@ -109,7 +110,8 @@ def reference_rows(path: str | None) -> dict[tuple[str, str, float], dict[str, d
     if path is None:
         return {}
     cells: dict[tuple[str, str, float], dict[str, dict]] = collections.defaultdict(dict)
-    for row in json.loads(Path(path).read_text())["rows"]:
+    raw = Path(path).read_bytes()
+    for row in json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)["rows"]:
         cells[row["target"], row["workload"], float(row["budget"])][row["planner"]] = row
     return dict(cells)
 

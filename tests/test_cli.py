@@ -53,8 +53,11 @@ def test_json_rows_keys_and_types(capsys):
             plan = get_planner(r["planner"])(profile, load_hardware(r["hardware"]), r["budget_bytes"]).plan
             fate = {d: sum(a.bytes for a in profile.activations if plan.decision[a.key] is d) for d in Decision}
             assert (r["swapped_bytes"], r["recomputed_bytes"]) == (fate[Decision.SWAP], fate[Decision.RECOMPUTE])
-            # what is kept stays on the device through the peak: the rest leaves it
-            assert r["swapped_bytes"] + r["recomputed_bytes"] >= profile.total_bytes - r["budget_bytes"]
+            # what is kept stays on the device through the peak (packed, if the plan packs it): the rest leaves it
+            packed_away = sum(a.bytes - a.packed_bytes for a in profile.activations
+                              if a.key in plan.packed and plan.decision[a.key] is Decision.KEEP)
+            assert r["swapped_bytes"] + r["recomputed_bytes"] + packed_away >= profile.total_bytes - r["budget_bytes"]
+            assert r["pack_s"] == pytest.approx(sum(2 * profile.by_key[k].pack_s for k in plan.packed))
             assert set(r["stall_s"]) == {"compute", "d2h", "h2d"}
         else:
             assert isinstance(r["error"], str) and r["error"]
@@ -159,8 +162,8 @@ def test_trace_matches_the_simulated_step(capsys, tmp_path):
     assert row["feasible"]
     trace = json.loads(path.read_text())
     assert isinstance(trace["traceEvents"], list)
-    # compute busy time = forward + backward (the keep-all step) + recomputation
-    busy_us = (row["ideal_s"] + row["recompute_s"]) * 1e6
+    # compute busy time = forward + backward (the keep-all step) + recomputation + packing kernels
+    busy_us = (row["ideal_s"] + row["recompute_s"] + row["pack_s"]) * 1e6
     n_compute = sum(1 for e in trace["traceEvents"] if e["ph"] == "X" and e["tid"] == 1)
     assert trace_busy_us(trace, "compute") == pytest.approx(busy_us, abs=1e-3 * n_compute)
     mem = [e["args"]["bytes"] for e in trace["traceEvents"] if e["ph"] == "C" and e["name"] == MEMORY_COUNTER]

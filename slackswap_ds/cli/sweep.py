@@ -159,6 +159,7 @@ def run_one(profile: StepProfile, target: Target, planner: str, budget_bytes: in
         "swapped_bytes": by[Decision.SWAP],
         "recomputed_bytes": by[Decision.RECOMPUTE],
         "packed_bytes": plan.packed_bytes(profile)[0],  # (kept or swapped, before packing)
+        "pack_s": sum(2 * profile.by_key[k].pack_s for k in plan.packed),  # (its kernels, packing and unpacking)
     }
     if planned.search:  # how the default planner found its plan (planners/refine.py)
         row["search"], row["found"] = planned.search, planned.found

@@ -208,16 +208,20 @@ def peak_of(total: np.ndarray, kept: np.ndarray, swapped: np.ndarray, holds: int
     return (int(m.max()) if len(m) else 0) + (holds - 1) * int(kept.sum())
 
 
-def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> dict[str, Decision]:
+def release(model: RegionModel, decisions: dict[str, Decision], target: int,
+            packed: tuple[str, ...] = ()) -> dict[str, Decision]:
     """`decisions` with every drop the model peak does not need turned back into KEEP: recomputes
     first, the most expensive first (each saves its re-run time), then swaps, the latest region
     first (each saves pinned bytes and link time another rank or ZeRO could use). A greedy
     planner overshoots (it drops before it knows what later drops will do); an exact one may
     leave free swaps in (they cost nothing in its objective). Keeping one is allowed only while
-    the model peak stays within `target`."""
+    the model peak stays within `target`. `packed`: tensors stored packed (kept or swapped): a swap of
+    one kept again is kept packed."""
     p = model.profile
     dec = dict(decisions)
-    total, kept, swapped = region_bytes(model, dec)
+    sizes = {k: p.by_key[k].packed_bytes for k in packed}
+    total, _, _ = region_bytes(model, dec)  # (a region's tensors are whole at its backward: unpacked)
+    _, kept, swapped = region_bytes(model, dec, sizes)
     if peak_of(total, kept, swapped, model.holds) > target:
         return dec  # nothing to give back (the caller's decisions do not meet the target)
     rec = [a for a in p.activations if dec[a.key] is Decision.RECOMPUTE and a.bytes > 0]
@@ -232,14 +236,14 @@ def release(model: RegionModel, decisions: dict[str, Decision], target: int) -> 
     swaps = [a for a in p.activations if dec[a.key] is Decision.SWAP and a.bytes > 0]
     swaps.sort(key=lambda a: (-model.region_of[a.key], -a.bytes, a.key))
     for a in swaps:
-        r = model.region_of[a.key]
-        kept[r] += a.bytes
-        swapped[r] -= a.bytes
+        r, nbytes = model.region_of[a.key], sizes.get(a.key, a.bytes)
+        kept[r] += nbytes
+        swapped[r] -= nbytes
         if peak_of(total, kept, swapped, model.holds) <= target:
             dec[a.key] = Decision.KEEP
         else:
-            kept[r] -= a.bytes
-            swapped[r] += a.bytes
+            kept[r] -= nbytes
+            swapped[r] += nbytes
     return dec
 
 
@@ -247,15 +251,19 @@ MAX_REPAIRS = 8
 
 
 def repair(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, planner: str,
-           decide: Callable[[int], dict[str, Decision]], version: str = "1", holds: int = 1) -> Planned:
+           decide: Callable[[int], dict[str, Decision] | tuple[dict[str, Decision], tuple[str, ...]]],
+           version: str = "1", holds: int = 1) -> Planned:
     """The repair loop every model-based planner runs: `decide(target)` gives decisions whose region
-    model peak meets `target` (or raises BudgetInfeasibleError); the simulator has the last word.
+    model peak meets `target` (or raises BudgetInfeasibleError), with the tensors it packs where it
+    packs any ((decisions, packed)); the simulator has the last word.
     When it finds the best-triggered plan over budget (copy latency, transients the model does not
     see), the target is lowered by the overshoot and `decide` asked again, up to MAX_REPAIRS times."""
     target = budget_bytes
     for _ in range(MAX_REPAIRS):
-        planned, overshoot = best_triggers(profile, decide(target), hw=hw, budget_bytes=budget_bytes, share=share,
-                                           planner=planner, version=version, holds=holds)
+        decided = decide(target)
+        decisions, packed = decided if isinstance(decided, tuple) else (decided, ())
+        planned, overshoot = best_triggers(profile, decisions, hw=hw, budget_bytes=budget_bytes, share=share,
+                                           planner=planner, version=version, holds=holds, packed=packed)
         if planned is not None:
             return planned
         target -= overshoot

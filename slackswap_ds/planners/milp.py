@@ -10,6 +10,9 @@ Variables, all binary: s[a] (swap a), r[a] (recompute a), u[o] (producer op o re
     sum_{a in r} s[a] * copy_h2d(a) <= bwd_s(r+1) + recompute(r+1)   (H2D hidden under the next
                                                                       region's backward)
     sum_a s[a] * bytes(a) <= host pool
+With PACK (`allow_pack`), a packable a also has sp[a] (swap it packed) and kp[a] (keep it packed):
+    s + r + sp + kp <= 1; kp drops (bytes - packed_bytes) from kept(<r); sp drops bytes and copies,
+    prefetches and pins packed_bytes; each costs its two kernels, 2 * pack_s, in the objective.
 Every swap is hidden by construction, so the objective is the model's whole overhead. Swaps the
 peak does not need (free in the objective) are kept again (`common.release`). After the solve, the
 plan is simulated; if the simulator's peak overshoots (transients the model does not see), the
@@ -31,7 +34,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
@@ -39,8 +42,14 @@ import numpy as np
 
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
+from ..step_profile import Activation
 from .common import Planned, RegionModel, release, repair
 from .ties import NO_TIES, Ties
+
+ACT_KINDS = ("s", "r", "sp", "kp")  # an activation's variables: swap, recompute, swap packed, keep packed
+SWAP_KINDS = ("s", "sp")  # those that copy it to the host
+PACK_KINDS = ("sp", "kp")  # those that pack it
+
 
 class OutOfTime(Exception):
     """The search's time ran out before HiGHS found any plan (not a proof that none exists)."""
@@ -134,26 +143,29 @@ class MilpResult:
 def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool, planner: str,
                       options: MilpOptions = MilpOptions(), deadline: float | None = None,
                       version: str = "1", start: Mapping[str, Decision] | None = None,
-                      ties: Ties = NO_TIES) -> MilpResult:
+                      ties: Ties = NO_TIES, allow_pack: bool = False, start_packed: tuple[str, ...] = ()) -> MilpResult:
     """The MILP's plan (through the repair loop every planner shares) and every solve it took.
     `deadline` (a `time.perf_counter()` value): every solve stops by then, taking HiGHS's best plan
     so far; OutOfTime if a solve has none (or the time is gone before a repair's solve starts).
-    `start`: a plan's decisions every solve begins from (ignored by HiGHS where they break a row).
-    `ties` (planners/ties.py): variables the solves share, a restriction of the MILP."""
+    `start`: a plan's decisions every solve begins from (ignored by HiGHS where they break a row), and
+    `start_packed` the tensors it packs.
+    `ties` (planners/ties.py): variables the solves share, a restriction of the MILP. `allow_pack`:
+    the profile's packable tensors may also be kept or swapped packed (PACK, planners/packing.py)."""
     solves: list[MilpSolve] = []
     raw: list[dict[str, Decision]] = []
 
-    def decide(target: int) -> dict[str, Decision]:
+    def decide(target: int) -> tuple[dict[str, Decision], tuple[str, ...]]:
         limited = options
         if deadline is not None:
             left = deadline - time.perf_counter()
             if left <= 0:
                 raise OutOfTime(f"{planner}: no time left for a solve")
             limited = replace(options, time_limit_s=min(options.time_limit_s, left))
-        dec, solve = _solve(model, target, allow_swap, limited, planner, start, ties)
+        dec, packed, solve = _solve(model, target, allow_swap, limited, planner, start, ties, allow_pack, start_packed)
         solves.append(solve)
         raw.append(dec)
-        return release(model, dec, target)
+        released = release(model, dec, target, packed)
+        return released, tuple(k for k in packed if released[k] is not Decision.RECOMPUTE)
 
     planned = repair(model.profile, model.hw, budget_bytes, model.share, planner, decide, version=version,
                      holds=model.holds)
@@ -161,10 +173,12 @@ def solve_region_milp(model: RegionModel, budget_bytes: int, *, allow_swap: bool
 
 
 def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptions, planner: str,
-           start: Mapping[str, Decision] | None, ties: Ties = NO_TIES) -> tuple[dict[str, Decision], MilpSolve]:
+           start: Mapping[str, Decision] | None, ties: Ties = NO_TIES,
+           allow_pack: bool = False, start_packed: tuple[str, ...] = ()
+           ) -> tuple[dict[str, Decision], tuple[str, ...], MilpSolve]:
     # The families are added in this order on purpose: columns and rows reach HiGHS in the order
     # they are created, and a different order may tie-break to a different optimum.
-    milp_model = _MilpModel(model, allow_swap, ties)
+    milp_model = _MilpModel(model, allow_swap, ties, allow_pack)
     milp_model.decision_variables()
     milp_model.choice_rows()
     milp_model.memory_rows(budget)
@@ -172,7 +186,7 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
         milp_model.d2h_queue_rows()
         milp_model.h2d_rows()
         milp_model.host_pool_row()
-    found = milp_model.solve(options, start)
+    found = milp_model.solve(options, start, start_packed)
     unit = milp_model.second_unit
     solve = MilpSolve(found.objective * unit if found.x is not None else math.nan, found.bound * unit, budget,
                       found.status, found.time_limit)
@@ -182,7 +196,7 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
         raise BudgetInfeasibleError(
             f"{planner}: no plan can keep the estimated peak within {budget:,} B ({found.status})"
         )
-    return milp_model.decode(found.x), solve
+    return (*milp_model.decode(found.x), solve)
 
 
 @dataclass(frozen=True)
@@ -203,8 +217,8 @@ class _MilpModel:
     and ops it ties share their columns: a restriction of the same MILP (every plan it finds is one
     of the full MILP's), with as many binaries as it has tie groups."""
 
-    def __init__(self, model: RegionModel, allow_swap: bool, ties: Ties = NO_TIES) -> None:
-        self.model, self.profile, self.ties = model, model.profile, ties
+    def __init__(self, model: RegionModel, allow_swap: bool, ties: Ties = NO_TIES, allow_pack: bool = False) -> None:
+        self.model, self.profile, self.ties, self.allow_pack = model, model.profile, ties, allow_pack
         self.acts = model.profile.activations
         self.nreg = len(model.regions)
         self.col: dict[tuple[str, object], int] = {}  # (kind, key) -> column
@@ -230,7 +244,7 @@ class _MilpModel:
         self.second_unit = max((o.fwd_s for o in self.profile.ops), default=1.0) or 1.0
 
     def _tied(self, kind: str, key: object) -> tuple[str, object]:
-        if kind in ("s", "r"):
+        if kind in ACT_KINDS:
             return kind, self.ties.acts.get(key, key)
         if kind == "u":
             return kind, self.ties.ops.get(key, key)
@@ -252,21 +266,36 @@ class _MilpModel:
         self.lo.append(lower)
         self.hi.append(upper)
 
-    def terms(self, r: int, kinds: tuple[str, ...], weight) -> dict[int, float]:
-        """{column: weight(activation)} over the variables of `kinds` of region r's activations."""
+    def terms(self, r: int, weights: Mapping[str, Callable[[Activation], float]]) -> dict[int, float]:
+        """{column: weight(activation)} over region r's activations' variables of each kind in `weights`."""
         out: dict[int, float] = {}
         for i in self.by_region[r]:
-            for kind in kinds:
+            for kind, weight in weights.items():
                 j = self.column(kind, self.acts[i].key)
                 if j is not None:
                     out[j] = out.get(j, 0.0) + weight(self.acts[i])
         return out
 
+    def dropped(self, sign: float) -> dict[str, Callable[[Activation], float]]:
+        """The device bytes each kind of variable drops from its region's kept bytes (in byte units)."""
+        unit = self.byte_unit
+        whole = lambda a: sign * a.bytes / unit  # noqa: E731
+        return {"s": whole, "r": whole, "sp": whole, "kp": lambda a: sign * (a.bytes - a.packed_bytes) / unit}
+
+    def stored(self, a: Activation, kind: str) -> int:
+        """The bytes a swap of kind `kind` ("s" or "sp", packed) copies and pins."""
+        return a.packed_bytes if kind == "sp" else a.bytes
+
     def decision_variables(self) -> None:
-        """The binaries: s[a] (swap), r[a] (recompute), u[o] (producer op o re-runs)."""
+        """The binaries: s[a] (swap), r[a] (recompute), u[o] (producer op o re-runs); with PACK, for a
+        packable a: sp[a] (swap packed), kp[a] (keep packed)."""
         for i, a in enumerate(self.acts):
             if self.swappable[i]:
                 self.var("s", a.key)
+            if self.allow_pack and a.packable:
+                if self.swappable[i]:
+                    self.var("sp", a.key)
+                self.var("kp", a.key)
             if a.recomputable:
                 self.var("r", a.key)
                 for p in a.producers:
@@ -274,13 +303,14 @@ class _MilpModel:
         self.n_binary = len(self.col)
 
     def choice_rows(self) -> None:
-        """s[a] + r[a] <= 1; u[o] >= r[a] for o in producers(a)."""
+        """s[a] + r[a] (+ sp[a] + kp[a]) <= 1; u[o] >= r[a] for o in producers(a)."""
         seen = set()  # (tied activations share their rows too)
-        for i, a in enumerate(self.acts):
-            s, r = self.column("s", a.key), self.column("r", a.key)
-            if self.swappable[i] and a.recomputable and ("sr", s, r) not in seen:
-                seen.add(("sr", s, r))
-                self.add({s: 1, r: 1}, -np.inf, 1)
+        for a in self.acts:
+            fates = [j for j in (self.column(kind, a.key) for kind in ACT_KINDS) if j is not None]
+            r = self.column("r", a.key)
+            if len(fates) > 1 and tuple(fates) not in seen:
+                seen.add(tuple(fates))
+                self.add(dict.fromkeys(fates, 1), -np.inf, 1)
             if a.recomputable:
                 for p in a.producers:
                     u = self.column("u", p)
@@ -302,18 +332,17 @@ class _MilpModel:
         if held:
             everything = self.var("D", nreg)
             row_ = {everything: 1.0, D[nreg - 1]: -1.0}
-            for j, v in self.terms(nreg - 1, ("s", "r"), lambda a: -a.bytes / unit).items():
-                row_[j] = v
+            row_.update(self.terms(nreg - 1, self.dropped(-1.0)))
             self.add(row_, 0, 0)
         total = sum(model.bytes)
         below = 0
         for r in range(nreg):
             if r:
                 row_ = {D[r]: 1.0, D[r - 1]: -1.0}
-                for j, v in self.terms(r - 1, ("s", "r"), lambda a: -a.bytes / unit).items():
-                    row_[j] = v
+                row_.update(self.terms(r - 1, self.dropped(-1.0)))
                 self.add(row_, 0, 0)
-                mem = {D[r]: -1.0, **self.terms(r - 1, ("s",), lambda a: a.bytes / unit)}
+                prefetched = {kind: lambda a, kind=kind: self.stored(a, kind) / unit for kind in SWAP_KINDS}
+                mem = {D[r]: -1.0, **self.terms(r - 1, prefetched)}
             else:
                 self.add({D[0]: 1.0}, 0, 0)
                 mem = {D[0]: -1.0}
@@ -331,10 +360,11 @@ class _MilpModel:
         nops = len(profile.ops)
         released: list[dict[int, float]] = [{} for _ in range(nops + 1)]
         for a in self.acts:
-            j = self.column("s", a.key)
-            if j is not None:
-                out = released[a.saved_at + 1]
-                out[j] = out.get(j, 0.0) - model.copy_s(a.bytes, model.d2h_bps) / self.second_unit
+            for kind in SWAP_KINDS:
+                j = self.column(kind, a.key)
+                if j is not None:
+                    out = released[a.saved_at + 1]
+                    out[j] = out.get(j, 0.0) - model.copy_s(self.stored(a, kind), model.d2h_bps) / self.second_unit
         Q = [self.var("Q", b) for b in range(nops + 1)]
         for b in range(nops + 1):
             window = profile.ops[b].fwd_s / self.second_unit if b < nops else 0.0
@@ -348,7 +378,8 @@ class _MilpModel:
         """Region r's copy-ins are hidden under region r+1's backward and recompute."""
         model, profile, unit = self.model, self.profile, self.second_unit
         for r in range(self.nreg - 1):
-            back = self.terms(r, ("s",), lambda a: model.copy_s(a.bytes, model.h2d_bps) / unit)
+            back = self.terms(r, {kind: lambda a, kind=kind: model.copy_s(self.stored(a, kind), model.h2d_bps) / unit
+                                  for kind in SWAP_KINDS})
             if back:
                 for o in self.ops_by_region[r + 1]:
                     j = self.column("u", o)
@@ -363,13 +394,15 @@ class _MilpModel:
             unit = self.byte_unit
             pool: dict[int, float] = {}
             for a in self.acts:
-                j = self.column("s", a.key)
-                if j is not None:
-                    pool[j] = pool.get(j, 0.0) + a.bytes / unit
+                for kind in SWAP_KINDS:
+                    j = self.column(kind, a.key)
+                    if j is not None:
+                        pool[j] = pool.get(j, 0.0) + self.stored(a, kind) / unit
             if pool:
                 self.add(pool, -np.inf, model.share.host_pool_bytes // model.holds / unit)
 
-    def solve(self, options: MilpOptions, start: Mapping[str, Decision] | None = None) -> _Found:
+    def solve(self, options: MilpOptions, start: Mapping[str, Decision] | None = None,
+              start_packed: tuple[str, ...] = ()) -> _Found:
         """HiGHS on the model: minimise the recompute time of the re-run ops (binaries integral in
         [0, 1], continuous variables in [0, inf)), from `start`'s decisions where given."""
         import highspy  # here: a process that never solves a MILP does not pay its import
@@ -382,6 +415,11 @@ class _MilpModel:
             j = self.column("u", o)
             if j is not None:
                 cost[j] += op.fwd_s / self.second_unit
+        for a in self.acts:  # a packed tensor's two kernels (packing after its save, unpacking before its read)
+            for kind in PACK_KINDS:
+                j = self.column(kind, a.key)
+                if j is not None:
+                    cost[j] += 2 * a.pack_s / self.second_unit
         lp.col_cost_ = cost
         lp.col_lower_ = np.zeros(n)
         lp.col_upper_ = np.r_[np.ones(n_binary), np.full(n - n_binary, inf)]
@@ -404,7 +442,7 @@ class _MilpModel:
                     raise ValueError(f"HiGHS refused its option {option}={value!r}")
             h.passModel(lp)
             if start is not None:  # the binaries only: HiGHS solves for the continuous rest
-                h.setSolution(n_binary, np.arange(n_binary, dtype=np.int32), self.binaries(start))
+                h.setSolution(n_binary, np.arange(n_binary, dtype=np.int32), self.binaries(start, start_packed))
             h.run()
         info, status = h.getInfo(), h.getModelStatus()
         has_plan = info.primal_solution_status == 2  # kSolutionStatusFeasible
@@ -412,16 +450,21 @@ class _MilpModel:
                       float(info.objective_function_value), float(info.mip_dual_bound),
                       h.modelStatusToString(status), status == highspy.HighsModelStatus.kTimeLimit)
 
-    def binaries(self, decisions: Mapping[str, Decision]) -> np.ndarray:
-        """The binary columns' values for a plan's decisions (a swap the model cannot make is 0; with
-        ties, the plan's tied layers must decide alike: each group's first layer says)."""
+    def binaries(self, decisions: Mapping[str, Decision], packed: tuple[str, ...] = ()) -> np.ndarray:
+        """The binary columns' values for a plan's decisions and the tensors it packs (a fate the model
+        cannot take is 0; with ties, the plan's tied layers must decide alike: each group's first says)."""
         x = np.zeros(self.n_binary)
+        packed = set(packed)
         for a in self.acts:
             if a.key in self.ties.acts:
                 continue  # (a tied activation's columns are its representative's: that one says)
             fate = decisions.get(a.key, Decision.KEEP)
             s, r = self.column("s", a.key), self.column("r", a.key)
-            if fate is Decision.SWAP and s is not None:
+            if a.key in packed and fate is not Decision.RECOMPUTE:
+                j = self.column("sp" if fate is Decision.SWAP else "kp", a.key)
+                if j is not None:
+                    x[j] = 1
+            elif fate is Decision.SWAP and s is not None:
                 x[s] = 1
             elif fate is Decision.RECOMPUTE and r is not None:
                 x[r] = 1
@@ -429,15 +472,13 @@ class _MilpModel:
                     x[self.column("u", p)] = 1
         return x
 
-    def decode(self, solution) -> dict[str, Decision]:
+    def decode(self, solution) -> tuple[dict[str, Decision], tuple[str, ...]]:
+        """The decisions of HiGHS's solution, and the tensors it packs (kept or swapped packed)."""
         x = np.round(solution).astype(int)
-        dec = {}
+        dec, packed = {}, []
         for a in self.acts:
-            s, r = self.column("s", a.key), self.column("r", a.key)
-            if s is not None and x[s]:
-                dec[a.key] = Decision.SWAP
-            elif r is not None and x[r]:
-                dec[a.key] = Decision.RECOMPUTE
-            else:
-                dec[a.key] = Decision.KEEP
-        return dec
+            fate = next((kind for kind in ACT_KINDS if (j := self.column(kind, a.key)) is not None and x[j]), None)
+            dec[a.key] = {"s": Decision.SWAP, "sp": Decision.SWAP, "r": Decision.RECOMPUTE}.get(fate, Decision.KEEP)
+            if fate in PACK_KINDS:
+                packed.append(a.key)
+        return dec, tuple(packed)

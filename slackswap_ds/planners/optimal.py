@@ -11,10 +11,11 @@ from .milp import MilpOptions, MilpResult, solve_region_milp
 
 
 def solve_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,
-                  options: MilpOptions = MilpOptions(), holds: int = 1) -> MilpResult:
-    """The optimal plan with its solves (incumbent, proven bound, gap)."""
+                  options: MilpOptions = MilpOptions(), holds: int = 1, allow_pack: bool = False) -> MilpResult:
+    """The optimal plan with its solves (incumbent, proven bound, gap); with `allow_pack`, PACK too
+    (the `optimal` planner plans without it, as the tables that compare it with the anchors say)."""
     return solve_region_milp(RegionModel(profile, hw, share, holds), budget_bytes, allow_swap=True,
-                             planner="optimal", options=options)
+                             planner="optimal", options=options, allow_pack=allow_pack)
 
 
 def plan_optimal(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share = PRIVATE,

@@ -37,7 +37,9 @@ STEP_GAP = 1e-4
 # many layers a group ties, and the share of the search's time the tied search may take. Chosen on the anchor
 # table's 173 cells below 99.995% of ideal (scratch sweeps, 2026-12-04, docs/benchmarks.md "Identical layers
 # tied"): groups of 8 with 0.4-0.55 of the time were best; of 6 worse; 8 then 4, or all layers as one group first,
-# worse still (each level's time taken from the full search).
+# worse still (each level's time taken from the full search). The share is of REFINE_BUDGET_S at most: the tied
+# search is for a good plan fast, and a longer search has the time to find it in the full MILP (the tied MILP's
+# proof alone took Llama-7B's whole 30 s on a loaded machine).
 TIE_GROUP = 8
 TIED_SHARE = 0.5
 BUDGET_ENV = "SLACKSWAP_PLAN_SEARCH_S"  # another budget in seconds (0: the greedy plan alone)
@@ -54,7 +56,7 @@ FOUND = {
 
 
 def _tied_search(greedy: Planned | None, model: RegionModel, budget_bytes: int, options: MilpOptions,
-                 deadline: float, *, planner: str, version: str) -> Planned | None:
+                 deadline: float, *, planner: str, version: str, allow_pack: bool) -> Planned | None:
     """The faster, by simulated step, of `greedy` (None: it found no plan) and the MILP's plan with
     every TIE_GROUP identical layers tied (planners/ties.py), found by `deadline`. The tied search
     starts from nothing: the greedy plan cannot start it (its layers do not decide alike), and its
@@ -65,7 +67,7 @@ def _tied_search(greedy: Planned | None, model: RegionModel, budget_bytes: int, 
         return greedy
     try:
         tied = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
-                                 options=options, deadline=deadline, ties=ties)
+                                 options=options, deadline=deadline, ties=ties, allow_pack=allow_pack)
     except (OutOfTime, BudgetInfeasibleError):
         return greedy
     return greedy if greedy is not None and greedy.result.step_s <= tied.planned.result.step_s else tied.planned
@@ -87,10 +89,11 @@ def search_budget_s() -> float:
 
 
 def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, planner: str, version: str,
-            budget_s: float | None = None) -> Planned:
+            budget_s: float | None = None, allow_pack: bool = False) -> Planned:
     """The faster (simulated) of `greedy` (None: the greedy planner found no plan) and the MILP's
     plan found within `budget_s` seconds (default: `search_budget_s()`), with `search` saying which
-    and how sure it is. BudgetInfeasibleError if neither has a plan."""
+    and how sure it is. BudgetInfeasibleError if neither has a plan. `allow_pack`: the MILP may pack
+    the profile's packable tensors (PACK, milp.py)."""
     budget_s = search_budget_s() if budget_s is None else budget_s
     ideal_s = keep_all_result(model.profile, model.hw).step_s
     if greedy is not None and greedy.result.step_s <= ideal_s * (1 + 1e-12):
@@ -102,12 +105,13 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
     seed, exact = greedy, None
     if budget_s > 0:
         options = MilpOptions(time_limit_s=budget_s, mip_abs_gap_s=STEP_GAP * ideal_s)
-        seed = _tied_search(greedy, model, budget_bytes, options, start + TIED_SHARE * budget_s,
-                            planner=planner, version=version)
+        seed = _tied_search(greedy, model, budget_bytes, options, start + TIED_SHARE * min(budget_s, REFINE_BUDGET_S),
+                            planner=planner, version=version, allow_pack=allow_pack)
         try:
             exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
                                       options=options, deadline=start + budget_s,
-                                      start=None if seed is None else seed.plan.decision)
+                                      start=None if seed is None else seed.plan.decision, allow_pack=allow_pack,
+                                      start_packed=() if seed is None else seed.plan.packed)
         except OutOfTime:
             pass
         except BudgetInfeasibleError:

@@ -24,9 +24,11 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
    prefetches stall compute, try earlier triggers; keep the fastest feasible plan.
 6. Refine (refine.py). The region model's MILP within a wall-clock budget, identical layers tied
    first (ties.py), then the full MILP from the better plan; the faster simulated plan is kept.
+   Where the profile has packable tensors the MILP may pack them (PACK, milp.py's sp / kp).
    Steps 1-5 alone are the `slackswap-greedy` planner.
-7. Pack (packing.py). Where the profile has packable tensors, steps 1-6 run again on its packed
-   view and the plan packs what the budget needs; the faster simulated plan is kept.
+7. Pack (packing.py). Where steps 1-5 on the profile's packed view beat them on the profile (the
+   greedy's own view of packing), steps 1-6 run again on that view and the plan packs what the
+   budget needs, the search's time split between the two; the faster simulated plan is kept.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from .common import Planned, RegionModel, keep_all, keep_all_result, region_peak
 from .packing import packed_view, with_packing
 from .refine import refined, search_budget_s
 
-NAME, VERSION = "slackswap", "7"
+NAME, VERSION = "slackswap", "8"
 GREEDY = "slackswap-greedy"
 
 
@@ -55,14 +57,15 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
     finds it within REFINE_BUDGET_S, else the better of its best plan so far and steps 1-5's."""
     model = RegionModel(profile, hw, share, holds)
     greedy = _greedy_or_none(model, budget_bytes)
-    if not profile.packable or not _packing_may_pay(profile, hw, budget_bytes, share, holds, greedy):
-        return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION)
+    pack = bool(profile.packable)  # (the exact search packs where that pays: milp.py's PACK variables)
+    if not pack or not _packing_may_pay(profile, hw, budget_bytes, share, holds, greedy):
+        return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, allow_pack=pack)
     # where packing may pay (PACK, planners/packing.py), the exact search's time is split between the
     # plan without packing and the one on the packed view; the faster simulated plan is kept (ties:
     # the one without packing, which runs no packing kernels)
     budget_s = search_budget_s() / 2
     try:
-        plain = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, budget_s=budget_s)
+        plain = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, budget_s=budget_s, allow_pack=True)
     except BudgetInfeasibleError:
         plain = None  # (packing may fit where nothing else does)
     packed = with_packing(profile, hw, budget_bytes, share, holds,

@@ -1,14 +1,15 @@
 """Identical layers tied together: a coarse copy of the MILP that finds a good plan fast.
 
 A transformer's middle layers are the same region again and again (same tensors, bytes and ops;
-in a measured profile, times that differ by noise), and that symmetry is what makes the region model's MILP slow to search: HiGHS meets the
-same choice once per layer, in every order. Tying each group of `group` consecutive identical
-layers (their swap, recompute and re-run variables shared: layer 5 swaps its softmax output exactly
-when layer 4 does) leaves a MILP with `group` times fewer binaries whose plans are all plans of the
-full MILP. Its optimum is found in a fraction of the time, and as the full search's start it prunes
-from the root on (planners/refine.py). The first layer of a run and the last `EDGE` stay free: the
-D2H queue must drain before forward ends, so the last layers swap less, and the first sits after
-the embedding, which is not like the others.
+in a measured profile, times that differ by noise), and that symmetry is what makes the region
+model's MILP slow to search: HiGHS meets the same choice once per layer, in every order. Tying
+each group of `group` consecutive identical layers (their swap, recompute, pack and re-run
+variables shared: layer 5 swaps its softmax output exactly when layer 4 does) leaves a MILP with
+`group` times fewer binaries whose plans are all plans of the full MILP. Its optimum is found in a
+fraction of the time, and as the full search's start it prunes from the root on
+(planners/refine.py). The first layer of a run and the last `EDGE` stay free: the D2H queue must
+drain before forward ends, so the last layers swap less, and the first sits after the embedding,
+which is not like the others.
 """
 
 from __future__ import annotations

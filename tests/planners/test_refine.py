@@ -105,7 +105,7 @@ def test_a_solve_started_from_a_plan_begins_at_that_plan(a100, gpt2):
     milp_model = _MilpModel(model, allow_swap=True)
     milp_model.decision_variables()
     x = milp_model.binaries(greedy.plan.decision)
-    assert milp_model.decode(list(x) + [0] * (len(milp_model.col) - len(x))) == greedy.plan.decision
+    assert milp_model.decode(list(x) + [0] * (len(milp_model.col) - len(x))) == (greedy.plan.decision, ())
     first_plan = MilpOptions(more=(("mip_max_improving_sols", 1),))  # stop at the first incumbent: no timing
     started = solve_region_milp(model, budget, allow_swap=True, planner="optimal", start=greedy.plan.decision,
                                 options=first_plan)
