@@ -220,8 +220,7 @@ def release(model: RegionModel, decisions: dict[str, Decision], target: int,
     p = model.profile
     dec = dict(decisions)
     sizes = {k: p.by_key[k].packed_bytes for k in packed}
-    total, _, _ = region_bytes(model, dec)  # (a region's tensors are whole at its backward: unpacked)
-    _, kept, swapped = region_bytes(model, dec, sizes)
+    total, kept, swapped = region_bytes(model, dec, sizes)  # (packed until read: milp.py's memory rows)
     if peak_of(total, kept, swapped, model.holds) > target:
         return dec  # nothing to give back (the caller's decisions do not meet the target)
     rec = [a for a in p.activations if dec[a.key] is Decision.RECOMPUTE and a.bytes > 0]

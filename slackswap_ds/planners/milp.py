@@ -12,7 +12,8 @@ Variables, all binary: s[a] (swap a), r[a] (recompute a), u[o] (producer op o re
     sum_a s[a] * bytes(a) <= host pool
 With PACK (`allow_pack`), a packable a also has sp[a] (swap it packed) and kp[a] (keep it packed):
     s + r + sp + kp <= 1; kp drops (bytes - packed_bytes) from kept(<r); sp drops bytes and copies,
-    prefetches and pins packed_bytes; each costs its two kernels, 2 * pack_s, in the objective.
+    prefetches and pins packed_bytes; either stores packed_bytes in bytes(r) (unpacked at its first
+    read, in the simulator); each costs its two kernels, 2 * pack_s, in the objective.
 Every swap is hidden by construction, so the objective is the model's whole overhead. Swaps the
 peak does not need (free in the objective) are kept again (`common.release`). After the solve, the
 plan is simulated; if the simulator's peak overshoots (transients the model does not see), the
@@ -346,6 +347,10 @@ class _MilpModel:
             else:
                 self.add({D[0]: 1.0}, 0, 0)
                 mem = {D[0]: -1.0}
+            # region r's own packed tensors are still packed as its backward starts (each is unpacked at
+            # its first read, the simulator's transient; planners/packing.py's view counts them so too)
+            for j, v in self.terms(r, {kind: self.dropped(-1.0)["kp"] for kind in PACK_KINDS}).items():
+                mem[j] = mem.get(j, 0.0) + v
             if held:
                 mem[everything] = mem.get(everything, 0.0) - held
             self.add(mem, -np.inf, (budget - below - model.bytes[r] - held * total) / unit)

@@ -27,8 +27,8 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
    Where the profile has packable tensors the MILP may pack them (PACK, milp.py's sp / kp).
    Steps 1-5 alone are the `slackswap-greedy` planner.
 7. Pack (packing.py). Where steps 1-5 on the profile's packed view beat them on the profile (the
-   greedy's own view of packing), steps 1-6 run again on that view and the plan packs what the
-   budget needs, the search's time split between the two; the faster simulated plan is kept.
+   greedy's own view of packing), steps 1-5 run again on that view and the plan packs what the
+   budget needs; the faster simulated plan of it and step 6's is kept.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from ..shares import PRIVATE, Share
 from ..step_profile import StepProfile
 from .common import Planned, RegionModel, keep_all, keep_all_result, region_peaks, release, repair
 from .packing import packed_view, with_packing
-from .refine import refined, search_budget_s
+from .refine import refined
 
 NAME, VERSION = "slackswap", "8"
 GREEDY = "slackswap-greedy"
@@ -58,19 +58,21 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
     model = RegionModel(profile, hw, share, holds)
     greedy = _greedy_or_none(model, budget_bytes)
     pack = bool(profile.packable)  # (the exact search packs where that pays: milp.py's PACK variables)
-    if not pack or not _packing_may_pay(profile, hw, budget_bytes, share, holds, greedy):
-        return refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, allow_pack=pack)
-    # where packing may pay (PACK, planners/packing.py), the exact search's time is split between the
-    # plan without packing and the one on the packed view; the faster simulated plan is kept (ties:
-    # the one without packing, which runs no packing kernels)
-    budget_s = search_budget_s() / 2
     try:
-        plain = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, budget_s=budget_s, allow_pack=True)
+        exact = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, allow_pack=pack)
     except BudgetInfeasibleError:
-        plain = None  # (packing may fit where nothing else does)
+        exact = None  # (steps 1-5 on the packed view may fit where nothing else was found)
+    if not pack or not _packing_may_pay(profile, hw, budget_bytes, share, holds, greedy):
+        if exact is None:
+            raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B")
+        return exact
+    # where steps 1-5 on the packed view beat them on the profile, their own packing plan (packing.py,
+    # tens of ms: the exact search already had its time) is kept if it simulates faster (ties: the
+    # exact search's)
     packed = with_packing(profile, hw, budget_bytes, share, holds,
-                          lambda view, target: _searched(view, hw, target, share, holds, budget_s),
+                          lambda view, target: _searched(view, hw, target, share, holds, budget_s=0.0),
                           planner=NAME, version=VERSION)
+    plain = exact
     if plain is None:
         if packed is None:
             raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B, with or without packing")
