@@ -171,13 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                 for planner in PLANNERS:
                     if reference and planner != "slackswap":
                         rows[planner] = reference[tname, wname, fraction][planner]
-                        every.append(rows[planner])
-                        fates[planner] |= fates_of(rows[planner])
-                        continue
-                    t0 = time.perf_counter()
-                    fields, _, _ = run_one(profile, tgt, planner, budget_bytes, ideal_s)
-                    rows[planner] = dict(target=tname, workload=wname, budget=fraction, planner=planner,
-                                         plan_s=time.perf_counter() - t0, **fields)
+                    else:
+                        t0 = time.perf_counter()
+                        fields, _, _ = run_one(profile, tgt, planner, budget_bytes, ideal_s)
+                        rows[planner] = dict(target=tname, workload=wname, budget=fraction, planner=planner,
+                                             plan_s=time.perf_counter() - t0, **fields)
                     every.append(rows[planner])
                     fates[planner] |= fates_of(rows[planner])
                 found[rows["slackswap"].get("found") or "no plan"] += 1

@@ -100,9 +100,11 @@ class RegionModel:
         n = len(self.regions)
         self.fwd_s = [0.0] * n
         self.bwd_s = [0.0] * n
-        for o in profile.ops:
+        self.ops: list[list[int]] = [[] for _ in range(n)]  # each region's op indices, in order
+        for i, o in enumerate(profile.ops):
             self.fwd_s[self.index[o.region]] += o.fwd_s
             self.bwd_s[self.index[o.region]] += o.bwd_s
+            self.ops[self.index[o.region]].append(i)
         self.bytes = [0] * n
         self.region_of = {}
         for a in profile.activations:

@@ -235,9 +235,6 @@ class _MilpModel:
         self.by_region: list[list[int]] = [[] for _ in range(self.nreg)]
         for i in range(len(self.acts)):
             self.by_region[self.region[i]].append(i)
-        self.ops_by_region: list[list[int]] = [[] for _ in range(self.nreg)]
-        for o, op in enumerate(self.profile.ops):
-            self.ops_by_region[model.index[op.region]].append(o)
         # Rows in bytes (up to 1e11) beside costs in seconds (down to 1e-5) are badly scaled for
         # HiGHS's tolerances: it stalls at the root node. Bytes are counted in units of the largest
         # tensor and seconds in units of the longest op, so every coefficient is at most 1.
@@ -277,11 +274,11 @@ class _MilpModel:
                     out[j] = out.get(j, 0.0) + weight(self.acts[i])
         return out
 
-    def dropped(self, sign: float) -> dict[str, Callable[[Activation], float]]:
-        """The device bytes each kind of variable drops from its region's kept bytes (in byte units)."""
+    def kept_change(self) -> dict[str, Callable[[Activation], float]]:
+        """What each kind of variable adds to its region's kept bytes, in byte units: minus what it drops."""
         unit = self.byte_unit
-        whole = lambda a: sign * a.bytes / unit  # noqa: E731
-        return {"s": whole, "r": whole, "sp": whole, "kp": lambda a: sign * (a.bytes - a.packed_bytes) / unit}
+        whole = lambda a: -a.bytes / unit  # noqa: E731
+        return {"s": whole, "r": whole, "sp": whole, "kp": lambda a: -(a.bytes - a.packed_bytes) / unit}
 
     def stored(self, a: Activation, kind: str) -> int:
         """The bytes a swap of kind `kind` ("s" or "sp", packed) copies and pins."""
@@ -330,26 +327,28 @@ class _MilpModel:
         # Micro-batches in flight (holds > 1) keep their kept bytes: (holds-1) * (total - all dropped),
         # with all dropped = D[nreg-1] + dropped in the last region.
         held = model.holds - 1
+        change = self.kept_change()
+        prefetched = {kind: lambda a, kind=kind: self.stored(a, kind) / unit for kind in SWAP_KINDS}
+        # region r's own packed tensors are still packed as its backward starts (each is unpacked at
+        # its first read, the simulator's transient; planners/packing.py's view counts them so too)
+        still_packed = dict.fromkeys(PACK_KINDS, change["kp"])
         if held:
             everything = self.var("D", nreg)
             row_ = {everything: 1.0, D[nreg - 1]: -1.0}
-            row_.update(self.terms(nreg - 1, self.dropped(-1.0)))
+            row_.update(self.terms(nreg - 1, change))
             self.add(row_, 0, 0)
         total = sum(model.bytes)
         below = 0
         for r in range(nreg):
             if r:
                 row_ = {D[r]: 1.0, D[r - 1]: -1.0}
-                row_.update(self.terms(r - 1, self.dropped(-1.0)))
+                row_.update(self.terms(r - 1, change))
                 self.add(row_, 0, 0)
-                prefetched = {kind: lambda a, kind=kind: self.stored(a, kind) / unit for kind in SWAP_KINDS}
                 mem = {D[r]: -1.0, **self.terms(r - 1, prefetched)}
             else:
                 self.add({D[0]: 1.0}, 0, 0)
                 mem = {D[0]: -1.0}
-            # region r's own packed tensors are still packed as its backward starts (each is unpacked at
-            # its first read, the simulator's transient; planners/packing.py's view counts them so too)
-            for j, v in self.terms(r, {kind: self.dropped(-1.0)["kp"] for kind in PACK_KINDS}).items():
+            for j, v in self.terms(r, still_packed).items():
                 mem[j] = mem.get(j, 0.0) + v
             if held:
                 mem[everything] = mem.get(everything, 0.0) - held
@@ -386,7 +385,7 @@ class _MilpModel:
             back = self.terms(r, {kind: lambda a, kind=kind: model.copy_s(self.stored(a, kind), model.h2d_bps) / unit
                                   for kind in SWAP_KINDS})
             if back:
-                for o in self.ops_by_region[r + 1]:
+                for o in model.ops[r + 1]:
                     j = self.column("u", o)
                     if j is not None:
                         back[j] = back.get(j, 0.0) - profile.ops[o].fwd_s / unit

@@ -52,6 +52,7 @@ FOUND = {
     "greedy-tie": "the greedy plan, as fast as the exact search's",
     "greedy-faster": "the greedy plan, faster in the simulator than the exact search's",
     "greedy-alone": "the greedy plan, the exact search off or without a plan",
+    "greedy-packed": "the greedy plan on the packed view (packing.py), faster than the exact search's or the only one",
 }
 
 

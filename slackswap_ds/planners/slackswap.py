@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+from dataclasses import replace
 
 import numpy as np
 
@@ -59,33 +60,27 @@ def plan_slackswap(profile: StepProfile, hw: Hardware, budget_bytes: int, share:
     greedy = _greedy_or_none(model, budget_bytes)
     pack = bool(profile.packable)  # (the exact search packs where that pays: milp.py's PACK variables)
     try:
-        exact = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, allow_pack=pack)
-    except BudgetInfeasibleError:
-        exact = None  # (steps 1-5 on the packed view may fit where nothing else was found)
+        exact, refused = refined(greedy, model, budget_bytes, planner=NAME, version=VERSION, allow_pack=pack), None
+    except BudgetInfeasibleError as e:
+        exact, refused = None, e  # (steps 1-5 on the packed view may fit where nothing else was found)
     if not pack or not _packing_may_pay(profile, hw, budget_bytes, share, holds, greedy):
         if exact is None:
-            raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B")
+            raise refused
         return exact
     # where steps 1-5 on the packed view beat them on the profile, their own packing plan (packing.py,
     # tens of ms: the exact search already had its time) is kept if it simulates faster (ties: the
     # exact search's)
     packed = with_packing(profile, hw, budget_bytes, share, holds,
-                          lambda view, target: _searched(view, hw, target, share, holds, budget_s=0.0),
+                          lambda view, target: _greedy(RegionModel(view, hw, share, holds), target, NAME),
                           planner=NAME, version=VERSION)
-    plain = exact
-    if plain is None:
-        if packed is None:
+    if packed is None:
+        if exact is None:
             raise BudgetInfeasibleError(f"{NAME}: no plan within {budget_bytes:,} B, with or without packing")
-        return packed
-    return packed if packed is not None and packed.result.step_s < plain.result.step_s else plain
-
-
-def _searched(profile: StepProfile, hw: Hardware, budget_bytes: int, share: Share, holds: int,
-              budget_s: float | None = None) -> Planned:
-    """Steps 1-5, then step 6 within `budget_s` seconds (default: refine.search_budget_s())."""
-    model = RegionModel(profile, hw, share, holds)
-    return refined(_greedy_or_none(model, budget_bytes), model, budget_bytes, planner=NAME, version=VERSION,
-                   budget_s=budget_s)
+        return exact
+    if exact is not None and exact.result.step_s <= packed.result.step_s:
+        return exact
+    than = "the exact search found no plan" if exact is None else "faster in the simulator than the exact search's plan"
+    return replace(packed, search=f"greedy on the packed view (planners/packing.py), {than}", found="greedy-packed")
 
 
 def _greedy_or_none(model: RegionModel, budget_bytes: int) -> Planned | None:

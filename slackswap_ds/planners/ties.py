@@ -42,9 +42,8 @@ def identical_runs(model: RegionModel) -> list[list[int]]:
     index; the last region to run forward is never in one (it cannot swap: milp.py)."""
     runs: list[list[int]] = []
     previous = None
-    region_ops = _region_ops(model)
     for r in range(len(model.regions) - 1):
-        sig = _signature(model, r, region_ops[r])
+        sig = _signature(model, r)
         if sig is not None and sig == previous:
             runs[-1].append(r)
         else:
@@ -60,7 +59,6 @@ def layer_ties(model: RegionModel, group: int) -> Ties:
         return NO_TIES
     profile = model.profile
     acts, ops, groups = {}, {}, 0
-    region_ops = _region_ops(model)
     for run in identical_runs(model):
         middle = run[1:len(run) - EDGE]
         for start in range(0, len(middle), group):
@@ -73,27 +71,20 @@ def layer_ties(model: RegionModel, group: int) -> Ties:
             for r in chunk[1:]:
                 for member, rep in zip(profile.region_acts[model.regions[r]], head_acts):
                     acts[member.key] = rep.key
-                for member, rep in zip(region_ops[r], region_ops[head]):
+                for member, rep in zip(model.ops[r], model.ops[head]):
                     ops[member] = rep
     if not groups:
         return NO_TIES
     return Ties(MappingProxyType(acts), MappingProxyType(ops), groups)
 
 
-def _region_ops(model: RegionModel) -> list[list[int]]:
-    out: list[list[int]] = [[] for _ in model.regions]
-    for o, op in enumerate(model.profile.ops):
-        out[model.index[op.region]].append(o)
-    return out
-
-
-def _signature(model: RegionModel, r: int, ops: list[int]) -> tuple | None:
-    """What makes region r (whose ops are `ops`) the same layer as another: its ops' keys without the
+def _signature(model: RegionModel, r: int) -> tuple | None:
+    """What makes region r the same layer as another: its ops' keys without the
     layer index, and its activations' classes, bytes, packed bytes, and producers, users and dependencies
     relative to the region's first op, in order. Not times: a measured profile's layers differ by noise,
     and tying is a restriction whatever the times (each tied column costs its layers' times summed).
     None for a region whose ops are not contiguous."""
-    profile = model.profile
+    profile, ops = model.profile, model.ops[r]
     if not ops or ops != list(range(ops[0], ops[0] + len(ops))):
         return None
     first = ops[0]
