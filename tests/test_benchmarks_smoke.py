@@ -362,7 +362,10 @@ def test_anchor_table_quick_says_its_verdicts_from_its_own_rows(tmp_path, capsys
         used = "".join(f for f, field in (("K", "kept_bytes"), ("S", "swapped_bytes"), ("R", "recomputed_bytes"),
                                           ("P", "packed_bytes")) if row["feasible"] and row[field]) or "-"
         assert f" {planner} {used}" in fates
-    assert " torchtitan-op-sac KR" in fates and "P" not in fates.split(": ", 1)[1]  # (no swaps; bert-large 0.5 packs no mask: pack_bound)
+    assert " torchtitan-op-sac KR" in fates  # (no swaps)
+    # since PACK in the MILP the default packs BERT-Large's masks at 0.5 (pack_bound: 93.87 with, 93.83 without);
+    # no other planner packs
+    assert " slackswap KSRP;" in fates and fates.split(": ", 1)[1].count("P") == 1
     # against that run: the default planner plans again, every other row is the file's, on the file's cells alone
     again = tmp_path / "again"
     assert anchor_table.main(["--against", str(tmp_path / "anchor_table.json"), "--out", str(again)]) == 0
