@@ -222,25 +222,31 @@ class ShapePlans:
         return False
 
     # ---- after a planned step ----------------------------------------------------------------------------
-    def after_planned_step(self, key: ShapeKey, peak: int, unplanned: int, events: Events) -> None:
+    def after_planned_step(self, key: ShapeKey, peak: int, unplanned: int, events: Events, resized: int = 0) -> None:
         """A step ran under the plan of shapes `key` (`peak`: its device bytes of saved
-        tensors; `unplanned`: how many it saved that the plan's profile does not have): the first
-        step under a derived plan checks it (check_derived); a measured plan whose step saved
-        others (another code path, a second forward) is profiled again (STALE, twice at most: a
-        model that alternates keeps its plan, its other saves to host, the budget held); the
-        first measured step of a recorded plan is written beside its predicted trace; a re-plan
-        its verification made is followed (REPLANNED)."""
+        tensors; `unplanned`: how many it saved that the plan's profile does not have; `resized`: how
+        many of another size than profiled): the first step under a derived plan checks it
+        (check_derived); a measured plan whose step saved others (another code path, a second
+        forward), or whose compiled code saved other sizes (Dynamo recompiled a block since the
+        profile, for dynamic shapes: its n-th save is now another tensor), is profiled again (STALE,
+        twice at most: a model that alternates keeps its plan, its other saves to host, the budget
+        held); the first measured step of a recorded plan is written beside its predicted trace; a
+        re-plan its verification made is followed (REPLANNED)."""
         state = self.cache[key]
         if not state.checked:
             state.checked = True
             if state.derived_from is not None and not self.check_derived(key, state, peak, events):
                 return
-        if unplanned and state.derived_from is None and self.stale[key] < 2:
+        recompiled = resized and state.profile.runs_compiled_code
+        if (unplanned or recompiled) and state.derived_from is None and self.stale[key] < 2:
             self.stale[key] += 1
             events.append(Transition.STALE)
-            log.info("slackswap %s: a step of input shapes %s saved %d tensor(s) its plan's profile does not have "
-                     "(another code path, or another forward): they went to host, and these shapes are profiled "
-                     "again", self.who(), shapes_of(key), unplanned, extra=EVERY_RANK)
+            what = (f"saved {unplanned} tensor(s) its plan's profile does not have (another code path, or another "
+                    "forward): they went to host" if unplanned else
+                    f"ran compiled code that saved {resized} tensor(s) of other sizes than profiled (a block "
+                    "recompiled since): the budget was held")
+            log.info("slackswap %s: a step of input shapes %s %s, and these shapes are profiled again", self.who(),
+                     shapes_of(key), what, extra=EVERY_RANK)
             self.cache.drop(key)
             return
         timeline = state.executor.stats.last_timeline

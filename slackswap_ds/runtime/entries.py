@@ -130,6 +130,9 @@ class Entries:
             # the decision still applies, exactly; only the plan's byte counts are off
             step.stats.resized += 1
             step.stats.resized_bytes += nbytes - planned.nbytes
+            # not the step planned for (or a compiled block recompiled since the profile, saving in
+            # another order: its n-th save is another tensor): its budget held from now on
+            step.cap = step.program.plan.budget_bytes
             if nbytes > planned.nbytes and planned.decision is not Decision.SWAP and step.program.guarded:
                 # a derived plan's prediction fell short: kept or regenerated in backward, the tensor
                 # could push the step over its budget; on the host it cannot

@@ -35,7 +35,7 @@ class StepStats:
     budget_waits: int = 0  # copy-outs the host waited for so that a save stayed within the budget (slow copies)
     other_device_bytes: int = 0  # saved tensors on another device than the model's (left alone)
     unplanned: int = 0  # saved tensors its plan's profile does not have (another code path): to host
-    resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway
+    resized: int = 0  # saved tensors whose size differs from the profile's (MoE routing): planned anyway, budget held
     resized_bytes: int = 0  # their bytes minus the profile's
     fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
     sizes: dict[str, tuple[tuple[int, ...], int]] = field(default_factory=dict)  # under a derived plan: key -> (shape, bytes)

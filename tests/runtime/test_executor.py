@@ -164,8 +164,10 @@ def test_exhausted_host_pool_keeps_tensors_counts_and_warns_once(caplog):
 
 
 def test_steps_the_profile_did_not_see_stay_exact_and_say_so():
-    """Other shapes: the same keys with other sizes, planned anyway (`resized`); other saves than
-    the profile's: kept (`fallbacks`). Either way the gradients are exact."""
+    """Other shapes: the same keys with other sizes, planned anyway (`resized`), a keep or a
+    prefetch that would pass the plan's budget to host (counted; backward's regenerated and read
+    tensors are larger than planned all the same); other saves than the profile's: to host
+    (`fallbacks`). Either way the gradients are exact."""
     model = tiny("gpt2")
     ids = torch.randint(1, VOCAB, (BATCH, SEQ))
     prof = profile(model, step, ids)
@@ -173,7 +175,9 @@ def test_steps_the_profile_did_not_see_stay_exact_and_say_so():
     other = torch.randint(1, VOCAB, (BATCH, 2 * SEQ))
     ex = ss.apply(model, plan, prof)
     assert_exact(run(model, step, other, ex), run(model, step, other))
-    assert ex.stats.last_step.resized > 0 and ex.stats.last_step.fallbacks == {}
+    last = ex.stats.last_step
+    assert last.resized > 0 and last.fallbacks
+    assert set(last.fallbacks) <= {"a prefetch over the budget: copied in when read", "over the budget if kept: swapped"}
 
     def more(m, b):  # saves tensors the profile never saw, after the layers
         out = m(input_ids=b, labels=b, use_cache=False)
