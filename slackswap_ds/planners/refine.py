@@ -12,21 +12,28 @@ line says so. Both plans are simulated on the rank's share; the faster simulated
 the greedy plan, which needs no solver).
 
 Identical layers make the MILP slow to search (planners/ties.py): HiGHS meets each choice once per
-layer. So the search first solves the MILP with every 8 identical layers tied (for up to half its
-time), then the full MILP from the faster of that plan and the greedy's: on the anchor table's hard
+layer. So the search first solves the MILP with every 8 identical layers tied (for up to TIED_SHARE of
+its time), then the full MILP from the faster of that plan and the greedy's: on the anchor table's hard
 cells (GH200's GPT-2 XL at 0.3-0.6, the 7B models at 0.2) it reaches or nears the optimum where 2 s of
-the full MILP alone stopped 0.1-0.6 points short (docs/benchmarks.md, "Identical layers tied")."""
+the full MILP alone stopped 0.1-0.6 points short (docs/benchmarks.md, "Identical layers tied").
+Where the process may use two CPUs or more, the full MILP is also searched from nothing in a thread
+beside that sequence, for the same time (HiGHS releases the GIL while it solves): on some cells
+(Mixtral-8x7B at 0.2) the full MILP alone proves its optimum in 1.3-1.6 s, while the sequence spends
+half its time on a tied MILP that cannot reach it; on others the tied plan is the way in. The faster
+simulated plan of the two wins (docs/benchmarks.md, "Two searches at once")."""
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from dataclasses import replace
+from typing import Callable
 
 from ..errors import BudgetInfeasibleError, PlanError
 from .common import Planned, RegionModel, keep_all_result
-from .milp import MilpOptions, OutOfTime, solve_region_milp
+from .milp import MilpOptions, MilpResult, OutOfTime, solve_region_milp
 from .ties import layer_ties
 
 REFINE_BUDGET_S = 2.0  # wall-clock seconds of exact search per plan (a job plans once per input shape)
@@ -39,9 +46,10 @@ STEP_GAP = 1e-4
 # tied"): groups of 8 with 0.4-0.55 of the time were best; of 6 worse; 8 then 4, or all layers as one group first,
 # worse still (each level's time taken from the full search). The share is of REFINE_BUDGET_S at most: the tied
 # search is for a good plan fast, and a longer search has the time to find it in the full MILP (the tied MILP's
-# proof alone took Llama-7B's whole 30 s on a loaded machine).
+# proof alone took Llama-7B's whole 30 s on a loaded machine). With the full search beside it (two CPUs), 0.6
+# (sweeps of 2026-12-04, session 10: GH200's GPT-2 XL at 0.3 proves its tied optimum in 1.05 s, which 0.5 cut off).
 TIE_GROUP = 8
-TIED_SHARE = 0.5
+TIED_SHARE = 0.6
 BUDGET_ENV = "SLACKSWAP_PLAN_SEARCH_S"  # another budget in seconds (0: the greedy plan alone)
 # `Planned.found`: which plan was kept and why, in one word each
 FOUND = {
@@ -57,21 +65,57 @@ FOUND = {
 
 
 def _tied_search(greedy: Planned | None, model: RegionModel, budget_bytes: int, options: MilpOptions,
-                 deadline: float, *, planner: str, version: str, allow_pack: bool) -> Planned | None:
+                 deadline: float, *, planner: str, version: str) -> Planned | None:
     """The faster, by simulated step, of `greedy` (None: it found no plan) and the MILP's plan with
     every TIE_GROUP identical layers tied (planners/ties.py), found by `deadline`. The tied search
     starts from nothing: the greedy plan cannot start it (its layers do not decide alike), and its
     recompute time as a cutoff (HiGHS's `objective_bound`) made HiGHS slower, not faster (Mistral-7B
-    on the h100 preset at 0.3: its optimum in 0.39 s without, 2.0 s with)."""
+    on the h100 preset at 0.3: its optimum in 0.39 s without, 2.0 s with). It has no PACK variables:
+    it is for a good start fast, and they slowed it (GH200's GPT-2 XL at 0.3: its tied optimum in
+    1.05 s without, not found in 2 s with); the full searches decide what is packed."""
     ties = layer_ties(model, TIE_GROUP)
     if not ties.groups:
         return greedy
     try:
         tied = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
-                                 options=options, deadline=deadline, ties=ties, allow_pack=allow_pack)
+                                 options=options, deadline=deadline, ties=ties)
     except (OutOfTime, BudgetInfeasibleError):
         return greedy
     return greedy if greedy is not None and greedy.result.step_s <= tied.planned.result.step_s else tied.planned
+
+
+class _Beside:
+    """`search` run in a thread of its own while the caller searches too (HiGHS releases the GIL
+    while it solves). `result()` waits for it: its MilpResult, or None where it found no plan in its
+    time or none exists; any other error is raised there, in the caller's thread."""
+
+    def __init__(self, search: Callable[[], MilpResult]):
+        self._result: MilpResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(search,), name="slackswap-plan-search", daemon=True)
+        self._thread.start()
+
+    def _run(self, search: Callable[[], MilpResult]) -> None:
+        try:
+            self._result = search()
+        except (OutOfTime, BudgetInfeasibleError):
+            pass
+        except BaseException as e:  # noqa: BLE001 (raised again in the caller's thread)
+            self._error = e
+
+    def result(self) -> MilpResult | None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the platform says)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS, Windows
+        return os.cpu_count() or 1
 
 
 def search_budget_s() -> float:
@@ -94,7 +138,8 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
     """The faster (simulated) of `greedy` (None: the greedy planner found no plan) and the MILP's
     plan found within `budget_s` seconds (default: `search_budget_s()`), with `search` saying which
     and how sure it is. BudgetInfeasibleError if neither has a plan. `allow_pack`: the MILP may pack
-    the profile's packable tensors (PACK, milp.py)."""
+    the profile's packable tensors (PACK, milp.py). The MILP's plan is the faster of the tied-then-full
+    sequence's and, with two CPUs or more, the full search's from nothing beside it (module docstring)."""
     budget_s = search_budget_s() if budget_s is None else budget_s
     ideal_s = keep_all_result(model.profile, model.hw).step_s
     if greedy is not None and greedy.result.step_s <= ideal_s * (1 + 1e-12):
@@ -106,18 +151,27 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
     seed, exact = greedy, None
     if budget_s > 0:
         options = MilpOptions(time_limit_s=budget_s, mip_abs_gap_s=STEP_GAP * ideal_s)
+        deadline = start + budget_s
+        beside = _Beside(lambda: solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner,
+                                                   version=version, options=options, deadline=deadline,
+                                                   allow_pack=allow_pack)) if usable_cpus() >= 2 else None
         seed = _tied_search(greedy, model, budget_bytes, options, start + TIED_SHARE * min(budget_s, REFINE_BUDGET_S),
-                            planner=planner, version=version, allow_pack=allow_pack)
+                            planner=planner, version=version)
+        infeasible = None
         try:
             exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
-                                      options=options, deadline=start + budget_s,
+                                      options=options, deadline=deadline,
                                       start=None if seed is None else seed.plan.decision, allow_pack=allow_pack,
                                       start_packed=() if seed is None else seed.plan.packed)
         except OutOfTime:
             pass
-        except BudgetInfeasibleError:
-            if seed is None:
-                raise
+        except BudgetInfeasibleError as e:
+            infeasible = e
+        other = None if beside is None else beside.result()
+        if other is not None and (exact is None or other.planned.result.step_s < exact.planned.result.step_s):
+            exact = other
+        if exact is None and seed is None and infeasible is not None:
+            raise infeasible
     took = time.perf_counter() - start
     if exact is None or (seed is not greedy and seed.result.step_s < exact.planned.result.step_s):
         none = f"is off (${BUDGET_ENV}=0)" if budget_s <= 0 else f"found no plan in its {budget_s:g} s"

@@ -48,7 +48,7 @@ from .common import Planned, RegionModel, keep_all, keep_all_result, region_peak
 from .packing import packed_view, with_packing
 from .refine import refined
 
-NAME, VERSION = "slackswap", "8"
+NAME, VERSION = "slackswap", "9"
 GREEDY = "slackswap-greedy"
 
 

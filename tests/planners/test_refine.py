@@ -132,3 +132,51 @@ def test_the_tied_search_plan_is_kept_where_the_full_search_finds_none(a100, gpt
     kept = refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap", version="7", budget_s=30.0)
     assert kept.found == "exact-tied" and kept.search.startswith("exact search with identical layers tied")
     assert kept.result.step_s < greedy.result.step_s and kept.result.feasible and kept.peak_bytes <= budget
+
+
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_the_full_search_from_nothing_runs_beside_the_sequence_where_two_cpus_are_free(a100, gpt2, monkeypatch, cpus):
+    """With two CPUs or more, the full MILP from nothing is searched in a thread beside the tied-then-full
+    sequence: where the sequence finds nothing (here: both its solves out of time), that search's plan
+    is kept; on one CPU only the sequence runs (the greedy plan is kept, and said)."""
+    import threading
+
+    import slackswap_ds.planners.refine as refine
+
+    real, threads = refine.solve_region_milp, []
+
+    def only_the_search_from_nothing(*args, ties=None, start=None, **kwargs):
+        threads.append(threading.current_thread() is threading.main_thread())
+        if ties is not None or start is not None:
+            raise OutOfTime("the sequence, out of time (this test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(refine, "solve_region_milp", only_the_search_from_nothing)
+    monkeypatch.setattr(refine, "usable_cpus", lambda: cpus)
+    budget = resolve_budget(0.5, gpt2)
+    greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
+    kept = refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap", version="9", budget_s=30.0)
+    if cpus == 1:
+        assert kept.found == "greedy-alone" and threads == [True, True]
+    else:
+        assert kept.found == "exact-proven" and kept.search.startswith("exact search (optimal")
+        assert kept.result.step_s < greedy.result.step_s and kept.peak_bytes <= budget
+        assert sorted(threads) == [False, True, True]  # (the search beside, in a thread of its own)
+
+
+def test_an_error_in_the_search_beside_is_raised_in_the_planners_thread(a100, gpt2, monkeypatch):
+    import slackswap_ds.planners.refine as refine
+
+    real = refine.solve_region_milp
+
+    def beside_breaks(*args, ties=None, start=None, **kwargs):
+        if ties is None and start is None:
+            raise RuntimeError("a bug in the search beside (this test)")
+        return real(*args, **kwargs, **({} if ties is None else {"ties": ties}), start=start)
+
+    monkeypatch.setattr(refine, "solve_region_milp", beside_breaks)
+    monkeypatch.setattr(refine, "usable_cpus", lambda: 2)
+    budget = resolve_budget(0.5, gpt2)
+    greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
+    with pytest.raises(RuntimeError, match="a bug in the search beside"):
+        refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap", version="9", budget_s=30.0)
