@@ -412,16 +412,17 @@ def test_zero3_recompute_quick_sets_swap_only_beside_recompute(tmp_path, capsys)
 
 
 @pytest.mark.slow
-def test_pack_choice_quick_prints_both_plans_and_the_one_kept(tmp_path, capsys):
-    """The README job's model on 2 layers: the plan without packing, the packing plan and what the
-    default planner keeps (its packed bytes where it keeps the packing plan). Which one is faster
-    depends on this machine's measured kernel times: not asserted."""
+def test_pack_choice_quick_prints_the_plan_without_packing_beside_the_default(tmp_path, capsys):
+    """The README job's model on 2 layers: the default plan of the profile without its packing marks
+    beside the default plan (which may pack), its packed tensors and how it was found. Whether it
+    packs depends on this machine's measured kernel times: not asserted; it is never slower."""
     from benchmarks import pack_choice
+    from slackswap_ds.planners.refine import FOUND
 
     out = tmp_path / "rows.json"
     assert pack_choice.main(["--quick", "--budgets", "0.6,0.8", "--json", str(out)]) == 0  # (a layer is half)
     printed = capsys.readouterr().out
-    assert "packable" in printed and "default keeps" in printed
+    assert "packable" in printed and "packed bytes  found" in printed
     for row in json.loads(out.read_text()):
-        assert row["kept"] in ("packing", "without") and row["without_ms"] > 0
-        assert (row["packed_bytes"] > 0) is (row["kept"] == "packing")
+        assert row["found"] in FOUND and 0 < row["default_ms"] <= row["without_ms"] * (1 + 1e-3)  # (both within the search's gap)
+        assert (row["packed_bytes"] > 0) is (row["packs"] > 0)
