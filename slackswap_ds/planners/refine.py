@@ -19,7 +19,7 @@ the full MILP alone stopped 0.1-0.6 points short (docs/benchmarks.md, "Identical
 Where the process may use two CPUs or more, the full MILP is also searched from nothing in a thread
 beside that sequence, for the same time (HiGHS releases the GIL while it solves): on some cells
 (Mixtral-8x7B at 0.2) the full MILP alone proves its optimum in 1.3-1.6 s, while the sequence spends
-half its time on a tied MILP that cannot reach it; on others the tied plan is the way in. The faster
+its first second on a tied MILP that cannot reach it; on others the tied plan is the way in. The faster
 simulated plan of the two wins (docs/benchmarks.md, "Two searches at once")."""
 
 from __future__ import annotations
