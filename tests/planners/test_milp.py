@@ -67,3 +67,46 @@ def test_a_packed_swap_copies_and_pins_its_packed_bytes():
     assert -model.copy_s(MASK, model.d2h_bps) / unit in entries[s]
     assert -model.copy_s(PACKED, model.d2h_bps) / unit in entries[sp]
     assert 1 in entries[kp] and len(entries[kp]) == 1  # kp is in its activation's choice row alone
+
+
+def test_solves_in_two_threads_give_the_process_its_output_back(capfd):
+    """The default planner's two searches run in two threads (planners/refine.py), each solve with the
+    process's stdout and stderr sent to a temporary file: interleaved (A starts, B starts, A ends, B
+    ends), they leave both where they were, and what either thread wrote meanwhile still reaches
+    stderr. (Each solve restoring the descriptors it had found, a job once printed nothing after its
+    first plan: its output went into A's deleted file.)"""
+    import os
+    import threading
+
+    from slackswap_ds.planners.milp import solver_output_dropped
+
+    def where():
+        return tuple((os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2))
+
+    before = where()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+
+    def a():
+        with solver_output_dropped():
+            a_in.set()
+            b_in.wait(5)
+            os.write(1, b"written during A\n")
+        a_out.set()
+
+    def b():
+        a_in.wait(5)
+        with solver_output_dropped():
+            b_in.set()
+            a_out.wait(5)
+            os.write(2, b"written during B\n")
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert where() == before
+    os.write(1, b"the job's next line\n")
+    cap = capfd.readouterr()
+    assert cap.out == "the job's next line\n"
+    assert sorted(cap.err.splitlines()) == ["written during A", "written during B"]
