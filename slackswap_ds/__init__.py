@@ -26,8 +26,8 @@ The map, one line per module (the one map: README.md and docs/ link here):
     plan_file       plan files: a plan per input shape, with what it was made for
     workloads/      analytic per-op profiles: spec, presets (configs/workloads/), builder, layer
     simulator       discrete-event simulation of Schedules on a GPU or a node
-    planners/       one signature -> Planned: common, slackswap, refine, ties, packing, milp, optimal,
-                    baselines, anchors
+    planners/       one signature -> Planned: common, slackswap, refine, ties, packing, milp, solver_output,
+                    optimal, baselines, anchors
     schedules       Megatron's pipeline schedules as event times: 1F1B and interleaved 1F1B; per-device peaks
     sharded         ZeRO-3 / FSDP: a micro-batch with its parameter gathers and gradient reduce-scatters
     deepspeed_pipe  DeepSpeed's PipelineEngine schedule: lockstep steps, blocking sends, tied-weight reduce

@@ -220,11 +220,13 @@ def test_plan_writes_a_loadable_plan(capsys, tmp_path):
     assert plan.digest[:12] in out[0]
     again = Plan.from_json(json.loads(plan.canonical_json()))
     assert again.digest == plan.digest
-    # writing to stdout gives the same plan, with the summary on stderr
+    # writing to stdout gives the plan, with the summary on stderr (its digest: the same plan where the
+    # search was not cut by its time both times; on a loaded machine another one as fast may come first)
     assert main(argv[:-1] + ["-"]) == 0
     cap = capsys.readouterr()
-    assert Plan.from_json(json.loads(cap.out)).digest == plan.digest
-    assert plan.digest[:12] in cap.err
+    printed = Plan.from_json(json.loads(cap.out))
+    assert printed.profile_digest == plan.profile_digest and printed.budget_bytes == plan.budget_bytes
+    assert printed.digest[:12] in cap.err and not cap.out.startswith("slackswap")
 
 
 def test_plan_infeasible_budget_is_a_clean_error(capsys, tmp_path):
@@ -394,7 +396,7 @@ def test_the_solver_is_silent_unless_asked(capfd, monkeypatch):
     SLACKSWAP_SOLVER_OUTPUT=1 leaves them alone."""
     import os
 
-    from slackswap_ds.planners.milp import SOLVER_OUTPUT_ENV, solver_output_dropped
+    from slackswap_ds.planners.solver_output import SOLVER_OUTPUT_ENV, solver_output_dropped
 
     assert main(["simulate", "-w", "bert-large", "-p", "optimal", "recompute-knapsack"]) == 0
     cap = capfd.readouterr()

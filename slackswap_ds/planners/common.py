@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Mapping
@@ -63,21 +64,25 @@ class Planned:
 
 _KEEP_ALL_CACHE: "OrderedDict[tuple[str, str], SimResult]" = OrderedDict()
 _KEEP_ALL_CACHE_SIZE = 64
+_KEEP_ALL_LOCK = threading.Lock()  # (the default planner's two searches run in two threads: refine.py)
 
 
 def keep_all_result(profile: StepProfile, hw: Hardware) -> SimResult:
     """The ideal step: everything kept, no memory limit. Simulated once per (profile, hardware):
     the result is remembered for the last few profiles (a pure function of both digests)."""
     key = (profile.digest, hw.digest)
-    found = _KEEP_ALL_CACHE.get(key)
-    if found is not None:
-        _KEEP_ALL_CACHE.move_to_end(key)
-        return found
+    with _KEEP_ALL_LOCK:
+        found = _KEEP_ALL_CACHE.get(key)
+        if found is not None:
+            _KEEP_ALL_CACHE.move_to_end(key)
+            return found
     plan = Plan.build(profile, keep_all(profile), budget_bytes=0, hardware_digest=hw.digest, planner="keep-all")
     res = simulate(lower(profile, plan), hw, record=False)
-    found = _KEEP_ALL_CACHE[key] = SimResult(**{**res.__dict__, "ideal_s": res.step_s})
-    if len(_KEEP_ALL_CACHE) > _KEEP_ALL_CACHE_SIZE:
-        _KEEP_ALL_CACHE.popitem(last=False)
+    found = SimResult(**{**res.__dict__, "ideal_s": res.step_s})
+    with _KEEP_ALL_LOCK:
+        _KEEP_ALL_CACHE[key] = found
+        if len(_KEEP_ALL_CACHE) > _KEEP_ALL_CACHE_SIZE:
+            _KEEP_ALL_CACHE.popitem(last=False)
     return found
 
 

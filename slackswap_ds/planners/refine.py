@@ -16,11 +16,12 @@ layer. So the search first solves the MILP with every 8 identical layers tied (f
 its time), then the full MILP from the faster of that plan and the greedy's: on the anchor table's hard
 cells (GH200's GPT-2 XL at 0.3-0.6, the 7B models at 0.2) it reaches or nears the optimum where 2 s of
 the full MILP alone stopped 0.1-0.6 points short (docs/benchmarks.md, "Identical layers tied").
-Where the process may use two CPUs or more, the full MILP is also searched from nothing in a thread
-beside that sequence, for the same time (HiGHS releases the GIL while it solves): on some cells
-(Mixtral-8x7B at 0.2) the full MILP alone proves its optimum in 1.3-1.6 s, while the sequence spends
-its first second on a tied MILP that cannot reach it; on others the tied plan is the way in. The faster
-simulated plan of the two wins (docs/benchmarks.md, "Two searches at once")."""
+Where the process may use two CPUs or more (`usable_cpus`: its share among the node's ranks), the full
+MILP is also searched from nothing in a thread beside that sequence, for the same time (HiGHS releases
+the GIL while it solves): on some cells (Mixtral-8x7B at 0.2) the full MILP alone proves its optimum in
+1.3-1.6 s, while the sequence spends its first second on a tied MILP that cannot reach it; on others
+the tied plan is the way in. The faster simulated plan of the two wins (docs/benchmarks.md, "Two
+searches at once")."""
 
 from __future__ import annotations
 
@@ -110,12 +111,22 @@ class _Beside:
         return self._result
 
 
+# how launchers tell a process how many ranks they started on its node (torchrun, DeepSpeed, Open MPI, MPICH)
+LOCAL_RANKS_ENV = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
+
+
 def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity where the platform says)."""
+    """CPUs this process may plan on: those it may run on (its affinity where the platform says),
+    shared among the ranks its launcher started on this node (each may plan at the same time)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - macOS, Windows
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    for name in LOCAL_RANKS_ENV:
+        text = os.environ.get(name, "").strip()
+        if text.isdigit() and int(text) > 0:
+            return max(1, cpus // int(text))
+    return cpus
 
 
 def search_budget_s() -> float:
@@ -131,6 +142,37 @@ def search_budget_s() -> float:
         raise PlanError(f"{BUDGET_ENV}={text!r} is not a number of seconds >= 0 (the exact search's time per plan; "
                          f"unset it for the default {REFINE_BUDGET_S:g} s, 0 for the greedy plan alone)")
     return seconds
+
+
+def _searched(greedy: Planned | None, model: RegionModel, budget_bytes: int, options: MilpOptions, start: float,
+              budget_s: float, *, planner: str, version: str, allow_pack: bool
+              ) -> tuple[Planned | None, MilpResult | None]:
+    """The exact search from `start` for `budget_s` seconds: the tied search's plan where faster
+    than `greedy` (else `greedy`), and the faster MILP result of the full search started from it and,
+    with two CPUs or more, the full search from nothing beside both (None: neither found a plan in
+    its time). BudgetInfeasibleError where no plan exists and there is neither."""
+    deadline = start + budget_s
+    beside = _Beside(lambda: solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner,
+                                               version=version, options=options, deadline=deadline,
+                                               allow_pack=allow_pack)) if usable_cpus() >= 2 else None
+    seed = _tied_search(greedy, model, budget_bytes, options, start + TIED_SHARE * min(budget_s, REFINE_BUDGET_S),
+                        planner=planner, version=version)
+    exact = infeasible = None
+    try:
+        exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
+                                  options=options, deadline=deadline,
+                                  start=None if seed is None else seed.plan.decision, allow_pack=allow_pack,
+                                  start_packed=() if seed is None else seed.plan.packed)
+    except OutOfTime:
+        pass
+    except BudgetInfeasibleError as e:
+        infeasible = e
+    other = None if beside is None else beside.result()
+    if other is not None and (exact is None or other.planned.result.step_s < exact.planned.result.step_s):
+        exact = other
+    if exact is None and seed is None and infeasible is not None:
+        raise infeasible
+    return seed, exact
 
 
 def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, planner: str, version: str,
@@ -151,27 +193,8 @@ def refined(greedy: Planned | None, model: RegionModel, budget_bytes: int, *, pl
     seed, exact = greedy, None
     if budget_s > 0:
         options = MilpOptions(time_limit_s=budget_s, mip_abs_gap_s=STEP_GAP * ideal_s)
-        deadline = start + budget_s
-        beside = _Beside(lambda: solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner,
-                                                   version=version, options=options, deadline=deadline,
-                                                   allow_pack=allow_pack)) if usable_cpus() >= 2 else None
-        seed = _tied_search(greedy, model, budget_bytes, options, start + TIED_SHARE * min(budget_s, REFINE_BUDGET_S),
-                            planner=planner, version=version)
-        infeasible = None
-        try:
-            exact = solve_region_milp(model, budget_bytes, allow_swap=True, planner=planner, version=version,
-                                      options=options, deadline=deadline,
-                                      start=None if seed is None else seed.plan.decision, allow_pack=allow_pack,
-                                      start_packed=() if seed is None else seed.plan.packed)
-        except OutOfTime:
-            pass
-        except BudgetInfeasibleError as e:
-            infeasible = e
-        other = None if beside is None else beside.result()
-        if other is not None and (exact is None or other.planned.result.step_s < exact.planned.result.step_s):
-            exact = other
-        if exact is None and seed is None and infeasible is not None:
-            raise infeasible
+        seed, exact = _searched(greedy, model, budget_bytes, options, start, budget_s, planner=planner,
+                                version=version, allow_pack=allow_pack)
     took = time.perf_counter() - start
     if exact is None or (seed is not greedy and seed.result.step_s < exact.planned.result.step_s):
         none = f"is off (${BUDGET_ENV}=0)" if budget_s <= 0 else f"found no plan in its {budget_s:g} s"

@@ -180,3 +180,20 @@ def test_an_error_in_the_search_beside_is_raised_in_the_planners_thread(a100, gp
     greedy = get_planner("slackswap-greedy")(gpt2, a100, budget)
     with pytest.raises(RuntimeError, match="a bug in the search beside"):
         refined(greedy, RegionModel(gpt2, a100), budget, planner="slackswap", version="9", budget_s=30.0)
+
+
+def test_the_cpus_a_search_may_use_are_shared_among_the_ranks_on_the_node(monkeypatch):
+    import os
+
+    from slackswap_ds.planners.refine import LOCAL_RANKS_ENV, usable_cpus
+
+    for name in LOCAL_RANKS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    alone = usable_cpus()
+    assert alone == len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # (DeepSpeed's launcher)
+    assert usable_cpus() == max(1, alone // 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * alone))  # (torchrun's, read first): more ranks than CPUs
+    assert usable_cpus() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert usable_cpus() == max(1, alone // 2)
