@@ -103,7 +103,8 @@ class Transition(enum.Enum):
     ABANDONED = "a forward without backward ended its step"
     TWO_FORWARDS = "a second forward joined a profiled step"
     PROFILED_AGAIN = "a profiled step had a forward without backward: its shapes are profiled again"
-    STALE = "a planned step saved tensors its plan's profile does not have: its shapes are profiled again"
+    STALE = ("a planned step saved tensors its plan's profile does not have, or its compiled code saved other sizes: "
+             "its shapes are profiled again")
     FALLBACK_PLANNER = "a plan made by a fallback planner (the configured one found none within the budget)"
     UNFINISHED = "micro-batches without backward closed at the step's end"
     COMPILED_ANEW = "the model's compilation changed: plans dropped"
