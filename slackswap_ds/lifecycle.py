@@ -320,7 +320,7 @@ class ShapeLifecycle:
         self.active_plan = plan
         unplanned = sum(stats.unplanned for stats in step.finished)
         resized = sum(stats.resized for stats in step.finished)
-        self.shape_plans.after_planned_step(key, step.peak, unplanned, step.events, resized)  # (may re-plan or drop it)
+        self.shape_plans.after_planned_step(key, step.peak, unplanned, resized, step.events)  # (may re-plan or drop it)
         self.reports.step(plan, prediction, step.peak, step.fallbacks, str(shapes_of(key)), keep_all, step.moved,
                           step.events, step.budget_waits, step.hooks_host_s)
 

@@ -222,7 +222,7 @@ class ShapePlans:
         return False
 
     # ---- after a planned step ----------------------------------------------------------------------------
-    def after_planned_step(self, key: ShapeKey, peak: int, unplanned: int, events: Events, resized: int = 0) -> None:
+    def after_planned_step(self, key: ShapeKey, peak: int, unplanned: int, resized: int, events: Events) -> None:
         """A step ran under the plan of shapes `key` (`peak`: its device bytes of saved
         tensors; `unplanned`: how many it saved that the plan's profile does not have; `resized`: how
         many of another size than profiled): the first step under a derived plan checks it

@@ -48,7 +48,7 @@ STEP_GAP = 1e-4
 # worse still (each level's time taken from the full search). The share is of REFINE_BUDGET_S at most: the tied
 # search is for a good plan fast, and a longer search has the time to find it in the full MILP (the tied MILP's
 # proof alone took Llama-7B's whole 30 s on a loaded machine). With the full search beside it (two CPUs), 0.6
-# (sweeps of 2026-12-04, session 10: GH200's GPT-2 XL at 0.3 proves its tied optimum in 1.05 s, which 0.5 cut off).
+# (later sweeps of 2026-12-04: GH200's GPT-2 XL at 0.3 proves its tied optimum in 1.05 s, which 0.5 cut off).
 TIE_GROUP = 8
 TIED_SHARE = 0.6
 BUDGET_ENV = "SLACKSWAP_PLAN_SEARCH_S"  # another budget in seconds (0: the greedy plan alone)

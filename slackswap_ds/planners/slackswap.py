@@ -23,7 +23,8 @@ recompute, recompute the cheapest others, keep the rest; then check and improve 
    model does not see), tighten the model budget by the overshoot and continue from step 3; if
    prefetches stall compute, try earlier triggers; keep the fastest feasible plan.
 6. Refine (refine.py). The region model's MILP within a wall-clock budget, identical layers tied
-   first (ties.py), then the full MILP from the better plan; the faster simulated plan is kept.
+   first (ties.py), then the full MILP from the better plan (with two CPUs, also the full MILP from
+   nothing beside them); the faster simulated plan is kept.
    Where the profile has packable tensors the MILP may pack them (PACK, milp.py's sp / kp).
    Steps 1-5 alone are the `slackswap-greedy` planner.
 7. Pack (packing.py). Where steps 1-5 on the profile's packed view beat them on the profile (the
