@@ -373,6 +373,19 @@ def test_anchor_table_quick_says_its_verdicts_from_its_own_rows(tmp_path, capsys
     assert sorted(redo) == sorted(rows) and all(redo[p] == rows[p] for p in rows if p != "slackswap")
     assert (redo["slackswap"]["target"], redo["slackswap"]["budget"]) == ("a100-80g-pcie4", 0.5)
     assert redo["slackswap"]["feasible"] and f"{redo['slackswap']['throughput_pct']:.2f}" in capsys.readouterr().out
+    assert "anchors_time_throughput_pct" not in redo["slackswap"]
+    # an anchor above the default by more than the tolerance (its row raised in the file): the cell is planned
+    # again with the anchor's time, and the list under the table says what that reached
+    doc["rows"] = [dict(r, throughput_pct=ok["slackswap"] + 0.5) if r["planner"] == "torchtitan-ilp" else r
+                   for r in doc["rows"]]
+    (tmp_path / "raised.json").write_text(json.dumps(doc))
+    assert anchor_table.main(["--against", str(tmp_path / "raised.json"), "--out", str(again)]) == 0
+    out = capsys.readouterr().out
+    redo = {r["planner"]: r for r in json.loads((again / "anchor_table_against.json").read_text())["rows"]}
+    below = ok["slackswap"] + 0.5 - redo["slackswap"]["throughput_pct"]
+    longer = redo["slackswap"]["anchors_time_throughput_pct"]
+    assert f"by more than {anchor_table.ANCHOR_TOLERANCE} points: bert-large 0.5 ({below:.2f} below; {longer:.2f} " \
+           f"with the anchor's 20 s)" in out
 
 
 @pytest.mark.slow
