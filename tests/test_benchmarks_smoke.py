@@ -404,8 +404,11 @@ def test_pack_bound_quick_packs_only_the_masks_and_orders_its_columns(tmp_path, 
     assert free.ops == profile.ops and sum(o.fwd_s for o in paid.ops) > sum(o.fwd_s for o in profile.ops)
     assert pack_bound.main(["--quick", "--out", str(tmp_path)]) == 0
     (row,) = json.loads((tmp_path / "pack_bound.json").read_text())
-    assert row["fused"] >= row["bound"] - 1e-9 and row["in_backward"] >= row["bound"] - 1e-9 and row["paper"] == 96.3
+    assert row["fused"] >= row["bound"] - 1e-9 and row["paper"] == 96.3
     assert row["bound_pack"] >= row["bound"] - 0.01  # (PACK is a fourth choice: never worse, up to the MILP's gap)
+    # tensors made at their first read: BERT-Large's rows looser (a packed tensor read earlier counts unpacked in
+    # them, so not every row is; here within the MILP's gap of 0.5% of recompute)
+    assert row["in_backward"] >= row["bound_pack"] - 0.01
     assert f"{row['bound']:.2f}" in capsys.readouterr().out
 
 

@@ -96,10 +96,15 @@ def refusal(planner: str, error: Exception) -> str:
 class RegionModel:
     """Per-region bytes and times of a profile, for fast planning (see the module docstring)."""
 
-    def __init__(self, profile: StepProfile, hw: Hardware, share: Share = PRIVATE, holds: int = 1):
+    def __init__(self, profile: StepProfile, hw: Hardware, share: Share = PRIVATE, holds: int = 1,
+                 replays_at_first_read: bool = False):
         if isinstance(holds, bool) or not isinstance(holds, int) or holds < 1:
             raise ValueError(f"holds must be a positive number of micro-batches, got {holds!r}")
         self.profile, self.hw, self.share, self.holds = profile, hw, share, holds
+        # a what-if for benchmarks/pack_bound.py: each recomputed tensor made again at its own first read
+        # in backward (one replay per tensor, which the runtime does not do: it replays a layer once,
+        # plan.replay_ops), so a region's memory rows count it from there (milp.py)
+        self.replays_at_first_read = replays_at_first_read
         self.regions = list(profile.regions)
         self.index = {r: i for i, r in enumerate(self.regions)}
         n = len(self.regions)

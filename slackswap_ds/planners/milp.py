@@ -38,7 +38,7 @@ import numpy as np
 
 from ..errors import BudgetInfeasibleError
 from ..plan import Decision, Plan
-from ..step_profile import Activation
+from ..step_profile import Activation, StepProfile
 from .common import Planned, RegionModel, release, repair
 from .solver_output import solver_output_dropped
 from .ties import NO_TIES, Ties
@@ -156,6 +156,15 @@ def _solve(model: RegionModel, budget: int, allow_swap: bool, options: MilpOptio
             f"{planner}: no plan can keep the estimated peak within {budget:,} B ({found.status})"
         )
     return (*milp_model.decode(found.x), solve)
+
+
+def _made_at_first_read(profile: StepProfile, region: str, a: Activation) -> bool:
+    """Whether a replay could make `a` at its first read in backward: made and read in `region`, and
+    everything its replay reads still held then (or made again in the region)."""
+    ops = profile.ops
+    return (ops[a.first_read].region == region and all(ops[i].region == region for i in a.producers)
+            and all(dep.freed_after <= a.first_read and not (dep.recomputable and profile.region_of(dep) != region)
+                    for dep in (profile.by_key[d] for d in a.deps)))
 
 
 @dataclass(frozen=True)
@@ -306,12 +315,37 @@ class _MilpModel:
             else:
                 self.add({D[0]: 1.0}, 0, 0)
                 mem = {D[0]: -1.0}
-            for j, v in self.terms(r, still_packed).items():
-                mem[j] = mem.get(j, 0.0) + v
             if held:
                 mem[everything] = mem.get(everything, 0.0) - held
-            self.add(mem, -np.inf, (budget - below - model.bytes[r] - held * total) / unit)
+            if model.replays_at_first_read:
+                self.rows_at_first_reads(r, mem, (budget - below - held * total) / unit)
+            else:
+                for j, v in self.terms(r, still_packed).items():
+                    mem[j] = mem.get(j, 0.0) + v
+                self.add(mem, -np.inf, (budget - below - model.bytes[r] - held * total) / unit)
             below += model.bytes[r]
+
+    def rows_at_first_reads(self, r: int, mem: dict[int, float], room: float) -> None:
+        """`RegionModel.replays_at_first_read`: region r's memory at its backward's start and at each
+        first read of a tensor a replay could make there (made and read in r, everything it reads still
+        held then): r's tensors not freed yet (`room` less them, in byte units), less the recomputed ones
+        not made again yet, packed ones not read yet packed."""
+        unit, acts = self.byte_unit, [self.acts[i] for i in self.by_region[r]]
+        made_late = [a for a in acts if self.column("r", a.key) is not None
+                     and _made_at_first_read(self.profile, self.model.regions[r], a)]
+        start = max((a.first_read for a in acts), default=0)
+        for at in sorted({start} | {a.first_read for a in made_late}):
+            row_ = dict(mem)
+            for b in acts:  # (as backward enters r all its packed tensors are still packed, as in the plain rows)
+                for kind in PACK_KINDS if b.first_read < at or at == start else ():
+                    j = self.column(kind, b.key)
+                    if j is not None:
+                        row_[j] = row_.get(j, 0.0) - (b.bytes - b.packed_bytes) / unit
+            for b in made_late:
+                if b.first_read < at:
+                    j = self.column("r", b.key)
+                    row_[j] = row_.get(j, 0.0) - b.bytes / unit
+            self.add(row_, -np.inf, room - sum(b.bytes for b in acts if b.freed_after <= at) / unit)
 
     def d2h_queue_rows(self) -> None:
         """The D2H queue drains before forward ends, at op granularity: a tensor saved by op i is
