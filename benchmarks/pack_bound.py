@@ -20,8 +20,8 @@ CUDA's `native_dropout` saves them):
                      own first read in backward (`RegionModel.replays_at_first_read`), not when its layer's
                      replay runs: what the issue's other technique (a dropout output recomputed from its input
                      and mask inside the backward that reads it) could add to PACK. The runtime replays a layer
-                     once, where the first tensor it regenerates is read (plan.replay_ops), so this is a model
-                     of a runtime with one replay per tensor, not a plan it runs: read from the MILP's objective
+                     once, as backward enters it, so this is a model of a runtime with one replay per tensor,
+                     not a plan it runs: read from the MILP's objective
                      (its recompute seconds beside the ideal step), not simulated (docs/packing.md);
 * slackswap          the default planner, which may pack each mask or not (its plan as `slackswap simulate`
                      makes it: the presets mark their masks packable, workloads.mask_packing), and the
@@ -89,7 +89,7 @@ def throughput(profile: StepProfile, hw: Hardware, budget_bytes: int, ideal_s: f
 
 def in_backward(profile: StepProfile, hw: Hardware, budget_bytes: int, ideal_s: float) -> float:
     """The optimum's throughput with PACK and each recomputed tensor made at its first read (the MILP's
-    objective: the simulator replays a layer once, plan.replay_ops)."""
+    objective: the simulator replays a layer once, as backward enters it)."""
     solves = solve_optimal(profile, hw, budget_bytes, options=SOLVE, allow_pack=True, replays_at_first_read=True).solves
     return 100 * ideal_s / (ideal_s + solves[-1].objective_s)
 

@@ -10,11 +10,9 @@ Schedule protocol (the simulator and the executor both follow it; comments elsew
 
     compute: FWD(op) for every op in order. After FWD(op) the activations it saves are resident,
              except RECOMPUTE ones (they are not saved at all).
-             Then, for ops in reverse: before the backward op of a region that holds RECOMPUTE
-             activations where the first of them is read (`replay_ops`; the region's first backward
-             op where a later one is not safe), RECOMPUTE(op) re-runs each producer op of the
-             region in forward order (the recomputed tensors become resident when their last
-             producer finishes);
+             Then, for ops in reverse: at the first backward op of a region that holds RECOMPUTE
+             activations, RECOMPUTE(op) re-runs each producer op of the region in forward order
+             (the recomputed tensors become resident when their last producer finishes);
              BWD(op) waits for the copy-in of every swapped tensor it reads, and frees every
              tensor whose last reader it is.
              PACK: a packed tensor's bytes are its packed ones (kept, or copied out and in); the
@@ -165,7 +163,7 @@ class Plan:
             problems.append(f"no decision for {len(missing)} activation(s), e.g. {missing[:3]}")
         if unknown:
             problems.append(f"decisions for {len(unknown)} unknown activation(s), e.g. {unknown[:3]}")
-        op_index, replay_at = {o.key: i for i, o in enumerate(profile.ops)}, None  # (replay_ops: once, if asked)
+        op_index = {o.key: i for i, o in enumerate(profile.ops)}
         for a in profile.activations:
             d = self.decision.get(a.key)
             if d is Decision.RECOMPUTE and not a.recomputable:
@@ -177,7 +175,7 @@ class Plan:
                 elif trig != END_OF_FORWARD:
                     if trig not in op_index:
                         problems.append(f"prefetch trigger {trig!r} of {a.key!r} is not an op of the profile")
-                    elif op_index[trig] <= need_op(profile, self, a.key, replay_at := replay_at or replay_ops(profile, self)):
+                    elif op_index[trig] <= need_op(profile, self, a.key):
                         problems.append(f"prefetch trigger {trig!r} of {a.key!r} comes after backward needs it")
         for key in self.packed:
             a = profile.by_key.get(key)
@@ -270,38 +268,14 @@ def _strict_bool(v: object) -> bool:
     return v
 
 
-def replay_ops(profile: StepProfile, plan: Plan) -> dict[str, int]:
-    """Per region whose backward recomputes, the op before whose backward its replay runs: where
-    backward first reads a tensor it regenerates (the largest index), so that a layer recomputing
-    only its attention's dropout output makes it after its MLP's tensors are freed (issue 37); its
-    first backward op where that is not safe (a regenerated tensor made or read outside the region,
-    an op the plan replays, or a tensor the replay reads released before then or made by another)."""
-    ops, decision = profile.ops, plan.decision
-    recomputed: dict[str, list[Activation]] = {}
-    for a in profile.activations:
-        if decision.get(a.key) is Decision.RECOMPUTE:
-            recomputed.setdefault(profile.region_of(a), []).append(a)
-    replayed = set(plan.replay)
-    out = {r: profile.region_last_op[r] for r in {o.region for o in ops if o.key in replayed}}
-    for region, acts in recomputed.items():
-        at = max(a.first_read for a in acts)
-        safe = all(ops[a.first_read].region == region and all(ops[i].region == region for i in a.producers)
-                   for a in acts) and all(profile.region_of(d) == region if decision.get(d.key) is Decision.RECOMPUTE
-                                          else d.freed_after <= at for d in (profile.by_key[k] for a in acts for k in a.deps))
-        out.setdefault(region, at if safe else profile.region_last_op[region])
-    return out
-
-
-def need_op(profile: StepProfile, plan: Plan, key: str, replay_at: Mapping[str, int] | None = None) -> int:
+def need_op(profile: StepProfile, plan: Plan, key: str) -> int:
     """The op at whose backward a tensor is first needed: its first reader, or, when a RECOMPUTE
-    activation depends on it, the op its region's recompute runs at (`replay_ops`; pass them as
-    `replay_at` when asking for many keys) if that comes first."""
+    activation depends on it, that activation's region's first backward op (recompute runs there)
+    if it comes first."""
     need = profile.by_key[key].first_read
     for other in profile.dependents.get(key, ()):
         if plan.decision.get(other.key) is Decision.RECOMPUTE:
-            if replay_at is None:
-                replay_at = replay_ops(profile, plan)
-            need = max(need, replay_at[profile.region_of(other)])
+            need = max(need, profile.region_last_op[profile.region_of(other)])
     return need
 
 
@@ -368,7 +342,6 @@ class _Lowering:
         self.first_copy_in = -1  # set by copy_in_ids
         self.sizes = plan.stored_bytes(profile)
         self.packed = [profile.by_key[k] for k in plan.packed]
-        self.replay_at = replay_ops(profile, plan)  # the op each region's recompute runs before
         for a in self.packed:
             self.sizes[a.key + UNPACKED] = a.bytes - a.packed_bytes  # (the packed bytes stay counted)
 
@@ -421,7 +394,7 @@ class _Lowering:
     def copy_in_ids(self, recompute_ops: dict[str, set[int]]) -> tuple[list[Activation], dict[str, int]]:
         """The copy-ins in the order backward needs them, and the index each will have: after every
         compute instruction (one BWD per op and one RECOMPUTE per re-run op)."""
-        need = {a.key: need_op(self.profile, self.plan, a.key, self.replay_at) for a in self.swapped}
+        need = {a.key: need_op(self.profile, self.plan, a.key) for a in self.swapped}
         in_order = sorted(self.swapped, key=lambda a: (-need[a.key], a.saved_at, a.key))
         n_backward = len(self.profile.ops) + sum(len(s) for s in recompute_ops.values())
         self.first_copy_in = len(self.instrs) + n_backward
@@ -429,7 +402,7 @@ class _Lowering:
 
     def backward(self, recompute_ops: dict[str, set[int]], completes_at: dict[int, list[str]],
                  copy_in_id: dict[str, int]) -> dict[int, int]:
-        """BWD of every op in reverse, each region's recomputes before the op `replay_ops` says; each
+        """BWD of every op in reverse, each region's recomputes before its first backward op; each
         waits for the copy-ins of the swapped tensors it reads. Returns the BWD index per op."""
         ops, decision = self.profile.ops, self.decision
         freed_after: dict[int, list[str]] = {}
@@ -440,24 +413,22 @@ class _Lowering:
                 for d in a.deps:
                     if decision[d] is Decision.SWAP:
                         recompute_waits.setdefault(min(a.producers), set()).add(d)
-        # a packed tensor is unpacked where it is first needed: before the first RECOMPUTE of a region
-        # whose replay reads it, or at its first reader's BWD (keys "recompute"/"bwd", op index)
+        # a packed tensor is unpacked where it is first needed: at its first reader's BWD, or before
+        # the first RECOMPUTE of a region whose replay reads it (keys "bwd"/"recompute", op index)
         unpacking: dict[tuple[str, int], list[Activation]] = {}
         for a in self.packed:
-            need = need_op(self.profile, self.plan, a.key, self.replay_at)
-            replayed = any(decision[b.key] is Decision.RECOMPUTE and self.replay_at[self.profile.region_of(b)] == need
-                           for b in self.profile.dependents.get(a.key, ()))
-            unpacking.setdefault(("recompute" if replayed else "bwd", need), []).append(a)
+            need = need_op(self.profile, self.plan, a.key)
+            unpacking.setdefault(("bwd", need) if need == a.first_read else ("recompute", need), []).append(a)
             freed_after[a.freed_after].append(a.key + UNPACKED)
         bwd_waits: dict[int, list[str]] = {}
         for a in self.swapped:
             bwd_waits.setdefault(a.first_read, []).append(a.key)
 
-        replay_at = self.replay_at
+        last_op = self.profile.region_last_op
         bwd_id: dict[int, int] = {}
         for i in range(len(ops) - 1, -1, -1):
             region = ops[i].region
-            if replay_at.get(region) == i:
+            if last_op[region] == i:
                 unpacked = unpacking.get(("recompute", i), ())
                 for j in sorted(recompute_ops.get(region, ())):
                     waits = tuple(sorted(copy_in_id[k] for k in recompute_waits.get(j, ())))

@@ -4,7 +4,6 @@ import pytest
 
 from slackswap_ds.errors import InvalidFileError, PlanError
 from slackswap_ds.plan import END_OF_FORWARD, Decision, Kind, Plan, lower, need_op
-from slackswap_ds.step_profile import Activation, Op, StepProfile
 
 from conftest import two_region_profile
 
@@ -90,47 +89,6 @@ def test_need_moves_to_region_start_when_a_recompute_depends_on_the_swap():
     assert need_op(p, plan, "r0:x") == 1  # region r0's first backward op, where recompute runs
     plain = build(p, dec={"r0:x": Decision.SWAP})
     assert need_op(p, plain, "r0:x") == 0
-
-
-def three_op_region(y_deps: tuple[str, ...] = ("r0:x",)) -> StepProfile:
-    """One region of three ops: x (10 B, read by op 0), y (20 B, made by op 0, read by op 1, its
-    replay reading `y_deps`), z (30 B, read by op 2 only) and w (5 B, read by op 2 only)."""
-    ops = [Op("r0:0:a", 1, 2, "r0"), Op("r0:1:b", 1, 2, "r0"), Op("r0:2:c", 1, 2, "r0")]
-    acts = [Activation("r0:x", 10, (0,)), Activation("r0:y", 20, (1,), (0,), y_deps),
-            Activation("r0:z", 30, (2,)), Activation("r0:w", 5, (2,))]
-    return StepProfile("three", ops, acts)
-
-
-def test_a_recompute_runs_where_backward_first_reads_what_it_makes():
-    """Issue 37: y is made again just before op 1's backward reads it, after op 2's backward freed z,
-    not as backward enters the region: z and y are never resident together."""
-    from slackswap_ds.hardware import Hardware
-    from slackswap_ds.plan import replay_ops
-    from slackswap_ds.simulator import simulate
-
-    p = three_op_region()
-    plan = build(p, dec={"r0:y": Decision.RECOMPUTE}, budget=100)
-    assert replay_ops(p, plan) == {"r0": 1}
-    s = lower(p, plan)
-    compute = [(s.instrs[i].kind, s.instrs[i].name) for i in s.stream("compute")]
-    assert compute[3:] == [(Kind.BWD, "r0:2:c"), (Kind.RECOMPUTE, "r0:0:a"), (Kind.BWD, "r0:1:b"), (Kind.BWD, "r0:0:a")]
-    # the end of forward's x + z + w; at the region's first backward op it would have been x + z + w + y
-    assert simulate(s, Hardware.instant_copies()).peak_bytes == 10 + 30 + 5
-    # a swapped x the replay reads is needed there, not at the region's first backward op
-    swapped = build(p, dec={"r0:y": Decision.RECOMPUTE, "r0:x": Decision.SWAP}, budget=100)
-    assert need_op(p, swapped, "r0:x") == 1
-
-
-def test_a_recompute_stays_at_the_region_start_where_what_its_replay_reads_is_gone_by_then():
-    """y's replay reads w, whose last reader (op 2) comes before op 1 in backward: w is released
-    before op 1, so the replay runs as backward enters the region, as before."""
-    from slackswap_ds.plan import replay_ops
-
-    p = three_op_region(("r0:x", "r0:w"))
-    plan = build(p, dec={"r0:y": Decision.RECOMPUTE}, budget=100)
-    assert replay_ops(p, plan) == {"r0": 2}
-    compute = [(ins.kind, ins.name) for ins in (lower(p, plan).instrs[i] for i in lower(p, plan).stream("compute"))]
-    assert compute[3:5] == [(Kind.RECOMPUTE, "r0:0:a"), (Kind.BWD, "r0:2:c")]
 
 
 def test_lowering_streams_and_memory_effects():

@@ -102,8 +102,8 @@ class RegionModel:
             raise ValueError(f"holds must be a positive number of micro-batches, got {holds!r}")
         self.profile, self.hw, self.share, self.holds = profile, hw, share, holds
         # a what-if for benchmarks/pack_bound.py: each recomputed tensor made again at its own first read
-        # in backward (one replay per tensor, which the runtime does not do: it replays a layer once,
-        # plan.replay_ops), so a region's memory rows count it from there (milp.py)
+        # in backward (one replay per tensor, which the runtime does not do: it replays a layer once, as
+        # backward enters it), so a region's memory rows count it from there (milp.py)
         self.replays_at_first_read = replays_at_first_read
         self.regions = list(profile.regions)
         self.index = {r: i for i, r in enumerate(self.regions)}

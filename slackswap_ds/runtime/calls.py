@@ -17,8 +17,7 @@ known by the order it was packed in, and its random states are kept. The first s
 records and replays op by op, and checks; later steps pay no dispatch mode for full recomputes.
 
 Backward. `replay` re-runs a call once, the first time backward needs one of its tensors (the
-Schedule's RECOMPUTE where the first of them is read, or at the region's first backward op where a
-later replay is not safe: plan.replay_ops) or another replay needs one as an input.
+Schedule's RECOMPUTE at the region's first backward op) or another replay needs one as an input.
 `LayerCalls` is the replay's `ReplaySource`: `materialize` gives it a saved entry on the device
 (copied in if swapped, regenerated first if recomputed), `captured` takes a regenerated tensor
 (checked against forward's bytes on a verifying step, verify.py), `ran` counts an op that ran for

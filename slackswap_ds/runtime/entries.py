@@ -11,9 +11,9 @@
   forward's bytes on the host, verify.py). Without a plan, saves stay on the device while they
   fit in `keep_bytes` and go to host (blocking) otherwise.
 * Backward (`reached`): its position is the first reader (profile op index) of the entries it
-  unpacks. When it passes a COPY_IN's trigger op the prefetch is issued, and when it reaches the
-  op before which the Schedule runs a layer call's RECOMPUTE (where the first tensor it
-  regenerates is read, or the region's first backward op: plan.replay_ops), the call is replayed.
+  unpacks. When it passes a COPY_IN's trigger op the prefetch is issued, and when it enters a
+  layer call that recomputes, the call is replayed first (the Schedule's RECOMPUTE at the
+  region's first backward op).
 * Release (`drain`): a `Holder` that dies queues its entry (`released`); the last holder gone
   ends the entry's life on the device, gives its host buffers back, and unpins a replay nobody
   needs any more.
@@ -188,10 +188,8 @@ class Entries:
     # ---- backward -----------------------------------------------------------------------------
     def reached(self, entry: Entry) -> None:
         """Backward unpacks `entry` for the first time: it has reached the entry's first reader.
-        Prefetches whose trigger op it has passed are issued; a layer call that recomputes is
-        replayed first once backward has reached the op its Schedule's RECOMPUTE runs before
-        (`Program.replay_at`: where the first tensor it regenerates is read, or the region's first
-        backward op; a tensor of it needed earlier is regenerated then, `LayerCalls.materialize`)."""
+        Prefetches whose trigger op it has passed are issued; a layer call it enters that
+        recomputes is replayed first (the Schedule's RECOMPUTE at the region's first backward op)."""
         entry.reached = True
         step = entry.step
         if step.lingering and entry.first_read is not None:
@@ -210,9 +208,8 @@ class Entries:
             return
         step.position = p
         self.swaps.prefetch(step, p)
-        region = program.region_of_op[p]
-        call = step.calls.get(region)
-        if call is not None and not call.done and p <= program.replay_at.get(region, p):
+        call = step.calls.get(program.region_of_op[p])
+        if call is not None and not call.done:
             self.calls.replay(step, call)
 
     # ---- release ------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ hooks that ask them (as TransformerEngine keeps *when* to act in plain maps apar
 * per activation key, a `PlannedTensor`: its decision, bytes, the profile op whose backward reads
   it first, and the op of its layer call that writes it (what a replay must reach);
 * per region, the ops its replay re-runs (the Schedule's RECOMPUTE instructions, as indices
-  within the layer call) and the op before whose backward it runs (`replay_at`), and whether that is every op up to the last one the replay needs (then a
+  within the layer call), and whether that is every op up to the last one the replay needs (then a
   call proven replayable whole is run again whole, without a dispatch mode: `whole`, calls.py);
 * the COPY_IN triggers, by profile op, in the order backward passes them.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..derive import derived
-from ..plan import Decision, Kind, Schedule, replay_ops
+from ..plan import Decision, Kind, Schedule
 from ..step_profile import Activation, StepProfile
 
 __all__ = ["PlannedTensor", "Program"]
@@ -78,8 +78,6 @@ class Program:
                 at = self.n_ops if trigger.kind is Kind.FWD else op_index[trigger.name]
                 triggers.setdefault(at, []).append(ins.name)
         self.rerun = {r: frozenset(s) for r, s in rerun.items()}
-        # the op whose backward a region's replay waits for (the Schedule's RECOMPUTEs run before it)
-        self.replay_at = replay_ops(profile, plan)
         # regions whose replay re-runs every op up to the last one it needs: a whole run of the call
         # re-runs nothing the Schedule does not (beyond the ops after that, where it stops)
         self.whole = frozenset(r for r, s in self.rerun.items() if len(s) == max(s) + 1)
