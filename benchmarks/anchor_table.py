@@ -50,6 +50,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 if __package__ in (None, ""):  # run as a file: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -156,15 +157,8 @@ def fates_of(row: dict) -> set[str]:
 def with_anchors_time(profile, tgt: Target, budget_bytes: int, ideal_s: float) -> float | None:
     """The default planner's throughput when its exact search may take the `torchtitan-ilp` anchor's
     time per solve (ANCHOR_SEARCH_S): whether a cell below an anchor is below it for want of time."""
-    before = os.environ.get(BUDGET_ENV)
-    os.environ[BUDGET_ENV] = str(ANCHOR_SEARCH_S)
-    try:
+    with mock.patch.dict(os.environ, {BUDGET_ENV: str(ANCHOR_SEARCH_S)}):
         fields, _, _ = run_one(profile, tgt, "slackswap", budget_bytes, ideal_s)
-    finally:
-        if before is None:
-            del os.environ[BUDGET_ENV]
-        else:
-            os.environ[BUDGET_ENV] = before
     return fields["throughput_pct"] if fields.get("feasible") else None
 
 

@@ -21,8 +21,8 @@ CUDA's `native_dropout` saves them):
                      replay runs: what the issue's other technique (a dropout output recomputed from its input
                      and mask inside the backward that reads it) could add to PACK. The runtime replays a layer
                      once, as backward enters it, so this is a model of a runtime with one replay per tensor,
-                     not a plan it runs: read from the MILP's objective
-                     (its recompute seconds beside the ideal step), not simulated (docs/packing.md);
+                     not a plan it runs: read from the MILP's objective (its recompute seconds beside the
+                     ideal step), not simulated (docs/packing.md);
 * slackswap          the default planner, which may pack each mask or not (its plan as `slackswap simulate`
                      makes it: the presets mark their masks packable, workloads.mask_packing), and the
                      bytes it packed;

@@ -330,7 +330,7 @@ class _MilpModel:
         first read of a tensor a replay could make there (made and read in r, everything it reads still
         held then): r's tensors not freed yet (`room` less them, in byte units), less the recomputed ones
         not made again yet, packed ones not read yet packed."""
-        unit, acts = self.byte_unit, [self.acts[i] for i in self.by_region[r]]
+        unit, acts, still_packed = self.byte_unit, [self.acts[i] for i in self.by_region[r]], self.kept_change()["kp"]
         made_late = [a for a in acts if self.column("r", a.key) is not None
                      and _made_at_first_read(self.profile, self.model.regions[r], a)]
         start = max((a.first_read for a in acts), default=0)
@@ -340,7 +340,7 @@ class _MilpModel:
                 for kind in PACK_KINDS if b.first_read < at or at == start else ():
                     j = self.column(kind, b.key)
                     if j is not None:
-                        row_[j] = row_.get(j, 0.0) - (b.bytes - b.packed_bytes) / unit
+                        row_[j] = row_.get(j, 0.0) + still_packed(b)
             for b in made_late:
                 if b.first_read < at:
                     j = self.column("r", b.key)
