@@ -407,8 +407,12 @@ def test_pack_bound_quick_packs_only_the_masks_and_orders_its_columns(tmp_path, 
     assert row["fused"] >= row["bound"] - 1e-9 and row["paper"] == 96.3
     assert row["bound_pack"] >= row["bound"] - 0.01  # (PACK is a fourth choice: never worse, up to the MILP's gap)
     # tensors made at their first read: BERT-Large's rows looser (a packed tensor read earlier counts unpacked in
-    # them, so not every row is; here within the MILP's gap of 0.5% of recompute)
-    assert row["in_backward"] >= row["bound_pack"] - 0.01
+    # them, so not every row is); each solve stops within the MILP's gap of recompute time, which at throughput T
+    # is T * gap * (1 - T/100) points (93.85 and 93.86 in two runs of this column against 93.87, 2026-12-05)
+    from slackswap_ds.planners.milp import MilpOptions
+
+    t, gap = row["bound_pack"], MilpOptions().mip_rel_gap
+    assert row["in_backward"] >= t - t * gap * (1 - t / 100)
     assert f"{row['bound']:.2f}" in capsys.readouterr().out
 
 
